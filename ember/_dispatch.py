@@ -1,0 +1,74 @@
+"""How an op chooses its path: Triton kernel or plain-PyTorch reference.
+
+Rules (ARCHITECTURE.md, "Dispatch"):
+  * CUDA tensors and an importable Triton  -> the Triton kernel.
+  * ``EMBER_FORCE_TRITON=1``               -> the Triton kernel even for CPU tensors, run by
+    Triton's interpreter (we set ``TRITON_INTERPRET=1`` just before the first kernel module is
+    imported, because ``triton.jit`` reads it when a kernel is defined). This is how CI tests
+    kernels on machines without a GPU. The interpreter must be on before Triton is first imported
+    in the process; test suites on CPU-only machines set ``TRITON_INTERPRET=1`` at start-up.
+  * anything else (CPU, MPS, no Triton)    -> the reference implementation.
+
+Triton is imported lazily, so ``import ember`` works where Triton does not exist (macOS, Windows).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+
+def force_triton() -> bool:
+    """True when ``EMBER_FORCE_TRITON=1``: run Triton kernels on CPU tensors via the interpreter."""
+    return os.environ.get("EMBER_FORCE_TRITON", "0") not in ("", "0", "false", "False")
+
+
+def _enable_interpreter_if_forced() -> None:
+    # Must happen before the first ``import triton``: triton.language defines its own @jit helpers
+    # (the combine functions of tl.sum, tl.max, ...) at import time, and they only run under the
+    # interpreter if it was on then.
+    if force_triton() and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_import_error() -> str | None:
+    """None when ``import triton`` works, else the reason it does not."""
+    _enable_interpreter_if_forced()
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install raising anything
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def triton_available() -> bool:
+    return triton_import_error() is None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op on tensor ``t`` should take the Triton path."""
+    if not triton_available():
+        return False
+    if t.device.type == "cuda":
+        return True
+    return t.device.type == "cpu" and force_triton()
+
+
+def kernels(family: str) -> ModuleType:
+    """Import ``ember.kernels.<family>`` (and Triton) on first use.
+
+    Under ``EMBER_FORCE_TRITON=1`` without a GPU, the interpreter is switched on before the
+    import so that every ``@triton.jit`` in the module becomes an interpreted function.
+    """
+    _enable_interpreter_if_forced()
+    return importlib.import_module(f"ember.kernels.{family}")
+
+
+def compiling() -> bool:
+    """True while torch.compile / dynamo traces the caller."""
+    return torch.compiler.is_compiling()

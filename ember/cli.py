@@ -1,0 +1,85 @@
+"""``ember <verb>``: doctor, bench (and, as they land, generate and quantize)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_doctor(args) -> int:
+    from ember.doctor import doctor, render
+    report = doctor()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if report["ok"] else 1
+
+
+def _cmd_bench(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from ember import bench
+
+    names = bench.suites()
+    if args.suite is None and not args.quick:
+        print(f"ember bench: name a suite ({', '.join(names)}) or pass --quick to run every suite's quick form",
+              file=sys.stderr)
+        return 2
+    if args.suite is not None and args.suite not in names:
+        print(f"ember bench: unknown suite {args.suite!r}; expected one of {', '.join(names)}", file=sys.stderr)
+        return 2
+    chosen = [args.suite] if args.suite else names
+    console = Console()
+    results = {}
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        task = progress.add_task("bench", total=None)
+        for name in chosen:
+            def report(msg, name=name):
+                progress.update(task, description=f"[{name}] {msg}")
+            results[name] = bench.run_suite(name, quick=args.quick, device=args.device, progress=report)
+    for name, rows in results.items():
+        table = Table(title=f"ember bench {name}" + (" (quick)" if args.quick else ""))
+        for col in ("row", "unit", "ember", "baseline", "speedup", "target", "meets"):
+            table.add_column(col, justify="right" if col in ("ember", "baseline", "speedup") else "left")
+        for r in rows:
+            sp = r.speedup
+            table.add_row(r.name, r.unit, f"{r.ember:.2f}", "-" if r.baseline is None else f"{r.baseline:.2f}",
+                          "-" if sp is None else f"{sp:.2f}x", r.target, {True: "yes", False: "NO", None: "-"}[r.meets])
+        console.print(table)
+    if args.json:
+        if len(results) != 1:
+            print("ember bench: --json writes one suite; name it", file=sys.stderr)
+            return 2
+        (name, rows), = results.items()
+        bench.write_json(args.json, name, rows)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        bench.plot(args.plot, results)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ember", description="Fast, small large models on the accelerator you have.")
+    sub = p.add_subparsers(dest="verb", required=True)
+    d = sub.add_parser("doctor", help="what this machine can run, and why not")
+    d.add_argument("--json", action="store_true", help="print the structured report as JSON")
+    d.set_defaults(func=_cmd_doctor)
+    b = sub.add_parser("bench", help="run a benchmark suite against the stock baseline")
+    b.add_argument("suite", nargs="?", help="suite name (omit with --quick to run all)")
+    b.add_argument("--quick", action="store_true", help="small shapes, reference paths, runs anywhere in < 1 min")
+    b.add_argument("--json", metavar="PATH", help="write results as JSON")
+    b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of speedups (needs matplotlib)")
+    b.add_argument("--device", help="device to run on (default: cuda if present, cpu with --quick)")
+    b.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""``ember doctor``: what this machine can run, and why not.
+
+Each probe is a module-level function returning a plain dict, so tests can simulate every failure
+class by monkeypatching one probe. ``doctor()`` assembles the report; ``render()`` prints it.
+
+Example:
+    >>> report = ember.doctor()
+    >>> report["ok"], report["families"]["norm"]["path"]
+    (True, 'reference')
+"""
+from __future__ import annotations
+
+import importlib
+import platform
+import sys
+import warnings
+
+import torch
+
+from ember import _dispatch
+
+# Op families and the module that implements each; doctor reports the path each takes here.
+FAMILIES = {
+    "norm": "ember.ops.norm",
+    "sampling": "ember.ops.sampling",
+    "fp8": "ember.ops.fp8",
+    "moe": "ember.ops.moe",
+    "pad": "ember.ops.pad",
+}
+# Families whose fast path needs more than "a GPU Triton can compile for".
+FP8_TENSOR_CORE_MIN_CC = (8, 9)
+
+
+def probe_cuda() -> dict:
+    info = {"built": torch.backends.cuda.is_built(), "torch_cuda_version": torch.version.cuda,
+            "available": False, "device_count": 0, "devices": [], "warning": None, "error": None}
+    if not info["built"]:
+        info["error"] = "this torch build has no CUDA support (a CPU-only build)"
+        return info
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            info["available"] = torch.cuda.is_available()
+        except Exception as e:  # a broken driver can raise here
+            info["error"] = f"{type(e).__name__}: {e}"
+    texts = [str(w.message) for w in caught]
+    if texts:
+        info["warning"] = " ".join(texts)
+    if info["available"]:
+        info["device_count"] = torch.cuda.device_count()
+        for i in range(info["device_count"]):
+            p = torch.cuda.get_device_properties(i)
+            info["devices"].append({"name": p.name, "capability": [p.major, p.minor],
+                                    "memory_GB": round(p.total_memory / 1e9, 1),
+                                    "sms": p.multi_processor_count})
+    return info
+
+
+def probe_triton(cuda_available: bool) -> dict:
+    """Import Triton and, where a CUDA device exists, compile and run a trivial kernel."""
+    info = {"importable": False, "version": None, "runs_kernel": None, "error": None}
+    err = _dispatch.triton_import_error()
+    if err is not None:
+        info["error"] = err
+        return info
+    import triton
+    info["importable"], info["version"] = True, triton.__version__
+    if not cuda_available:
+        return info
+    try:
+        from ember.kernels import probe
+        info["runs_kernel"] = probe.add_one_matches()
+        if not info["runs_kernel"]:
+            info["error"] = "a trivial kernel ran but produced wrong values"
+    except Exception as e:  # report the compiler's or driver's exact words
+        info["runs_kernel"] = False
+        info["error"] = f"{type(e).__name__}: {str(e).strip()[:500]}"
+    return info
+
+
+def probe_mps() -> dict:
+    built = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_built())
+    info = {"built": built, "available": False, "macos": platform.mac_ver()[0] or None, "error": None}
+    if built:
+        try:
+            info["available"] = torch.backends.mps.is_available()
+            if not info["available"]:
+                info["error"] = "MPS is built but no Metal device is reachable (macOS 12.3+ on Apple silicon needed)"
+        except Exception as e:
+            info["error"] = f"{type(e).__name__}: {e}"
+    return info
+
+
+def _family_path(module: str, cuda: dict, triton_info: dict) -> dict:
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return {"path": "unavailable", "why": f"not in this ember build ({e})"}
+    if not cuda["available"]:
+        return {"path": "reference", "why": "no CUDA device: the op runs on the reference (plain PyTorch) path"}
+    if not triton_info["importable"]:
+        return {"path": "reference", "why": f"Triton cannot be imported ({triton_info['error']})"}
+    if not triton_info["runs_kernel"]:
+        return {"path": "reference", "why": f"Triton cannot run kernels here ({triton_info['error']})"}
+    return {"path": "triton", "why": "CUDA device and a working Triton"}
+
+
+def doctor() -> dict:
+    """A structured report of what ember can run on this machine, and why not.
+
+    Keys: ``python``, ``torch``, ``cuda``, ``triton``, ``mps``, ``families`` (op family -> path and
+    reason), ``notes`` (plain-language lines) and ``ok`` (ember can run at all: CPU counts).
+    """
+    cuda = probe_cuda()
+    tri = probe_triton(cuda["available"])
+    mps = probe_mps()
+    notes = []
+    if cuda["warning"] and "too old" in cuda["warning"].lower():
+        notes.append(f"the NVIDIA driver is too old for this torch build: {cuda['warning'].strip()}")
+    elif cuda["warning"]:
+        notes.append(f"torch warned while probing CUDA: {cuda['warning'].strip()}")
+    if not cuda["available"]:
+        notes.append("no CUDA device: ops run on the reference path")
+    for d in cuda["devices"]:
+        cc = tuple(d["capability"])
+        if cc >= FP8_TENSOR_CORE_MIN_CC:
+            notes.append(f"{d['name']} (sm_{cc[0]}{cc[1]}): FP8 tensor-core kernels enabled")
+        else:
+            notes.append(f"{d['name']} (sm_{cc[0]}{cc[1]}): FP8 tensor-core kernels need compute capability >= 8.9; "
+                         "FP8 weights are upcast in the kernel instead")
+    if cuda["available"] and tri["error"]:
+        notes.append(f"Triton problem: {tri['error']}")
+    if mps["available"]:
+        notes.append("Apple GPU (MPS) reachable: ops run there on the reference path")
+    families = {name: _family_path(mod, cuda, tri) for name, mod in FAMILIES.items()}
+    if _dispatch.force_triton():
+        notes.append("EMBER_FORCE_TRITON=1: CPU tensors take Triton kernels through the interpreter (slow; for tests)")
+    return {
+        "ok": True,  # the reference path needs only torch, which imported to get here
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": cuda,
+        "triton": tri,
+        "mps": mps,
+        "families": families,
+        "notes": notes,
+    }
+
+
+def render(report: dict) -> str:
+    cuda, tri, mps = report["cuda"], report["triton"], report["mps"]
+    lines = [f"python {report['python']}  torch {report['torch']}  platform {report['platform']}"]
+    if cuda["available"]:
+        devs = ", ".join(f"{d['name']} sm_{d['capability'][0]}{d['capability'][1]} {d['memory_GB']} GB"
+                         for d in cuda["devices"])
+        lines.append(f"cuda: {cuda['device_count']} device(s): {devs} (torch built for CUDA {cuda['torch_cuda_version']})")
+    else:
+        why = cuda["error"] or ("torch is built with CUDA but found no usable device" if cuda["built"] else "")
+        lines.append(f"cuda: unavailable ({why})")
+    if tri["importable"]:
+        ran = {True: "compiles and runs kernels", False: "cannot run kernels", None: "not tried (no CUDA device)"}
+        lines.append(f"triton {tri['version']}: {ran[tri['runs_kernel']]}" + (f" ({tri['error']})" if tri["error"] else ""))
+    else:
+        lines.append(f"triton: not importable ({tri['error']})")
+    lines.append(f"mps: built={mps['built']} available={mps['available']}" + (f" macOS {mps['macos']}" if mps["macos"] else ""))
+    lines.append("op families:")
+    for name, fam in report["families"].items():
+        lines.append(f"  {name:<9} {fam['path']:<11} {fam['why']}")
+    for n in report["notes"]:
+        lines.append(f"- {n}")
+    lines.append("ember can run here" if report["ok"] else "ember cannot run here")
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""Triton kernels for RMSNorm and fused residual-add + RMSNorm (one row per program)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels._common import round_to
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+                        stride_x, stride_res, stride_out, stride_new_res,
+                        H, eps,
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        # Round the sum to the I/O dtype first: the residual stream carries that rounding in every
+        # model we load (HF adds in bf16), and the norm must see the same value it stores.
+        s = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
+        tl.store(new_res_ptr + row * stride_new_res + cols, s, mask=mask)
+        x = s
+    xf = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, round_to(xf * inv_rms * w, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_config(H: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(H)
+    # ~8-16 elements per thread keeps a row in registers without spills up to H = 16384.
+    num_warps = max(1, min(16, block // 256))
+    return block, num_warps
+
+
+def add_rmsnorm(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                out: torch.Tensor, new_residual: torch.Tensor | None) -> None:
+    """Launch on 2-d row views whose last dimension is contiguous (validated by the caller)."""
+    M, H = x2.shape
+    if M == 0:
+        return
+    block, num_warps = _launch_config(H)
+    has_res = residual2 is not None
+    _add_rmsnorm_kernel[(M,)](
+        x2, residual2 if has_res else x2, weight, out, new_residual if has_res else out,
+        x2.stride(0), residual2.stride(0) if has_res else 0, out.stride(0),
+        new_residual.stride(0) if has_res else 0,
+        H, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps)

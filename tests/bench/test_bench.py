@@ -1,0 +1,45 @@
+import json
+
+import pytest
+
+from ember import bench, cli
+from ember.bench import Row
+
+
+def test_row_speedup_direction():
+    assert Row("t", "us", 10.0, 20.0, "b").speedup == pytest.approx(2.0)
+    assert Row("r", "GB/s", 300.0, 100.0, "b").speedup == pytest.approx(3.0)
+    assert Row("r", "tok/s", 50.0, 100.0, "b").speedup == pytest.approx(0.5)
+    assert Row("n", "us", 1.0, None, "none").speedup is None
+
+
+def test_norm_suite_quick_runs_on_cpu():
+    rows = bench.run_suite("norm", quick=True)
+    assert [r.name for r in rows] == ["add_rmsnorm_1x256_bf16", "add_rmsnorm_64x512_bf16"]
+    assert all(r.ember > 0 and r.baseline > 0 for r in rows)
+
+
+def test_unknown_suite_is_named():
+    with pytest.raises(ValueError, match="suite: expected one of"):
+        bench.run_suite("nope", quick=True)
+
+
+def test_cli_quick_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "norm.json"
+    png = tmp_path / "norm.png"
+    assert cli.main(["bench", "norm", "--quick", "--json", str(out), "--plot", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert data["suite"] == "norm" and set(data["versions"]) == {"torch", "triton", "transformers", "diffusers"}
+    for row in data["rows"]:
+        assert set(row) >= {"name", "unit", "ember", "baseline", "baseline_name", "speedup", "target", "meets"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_needs_a_suite(capsys):
+    assert cli.main(["bench"]) == 2
+    assert "name a suite" in capsys.readouterr().err
+
+
+def test_cli_bench_unknown_suite(capsys):
+    assert cli.main(["bench", "nope"]) == 2
+    assert "unknown suite 'nope'" in capsys.readouterr().err

@@ -1,0 +1,29 @@
+"""Shared test helpers: tolerances per dtype, poisoned outputs, float64 comparisons."""
+from __future__ import annotations
+
+import torch
+
+# (atol, rtol) for a result computed in fp32 math and rounded once to the output dtype.
+# bf16 has 8 mantissa bits (2^-8 = 0.0039 relative), fp16 11 bits (2^-11), fp32 ~2^-24 plus
+# reduction-order error over up to 16k elements.
+ROUNDED_ONCE = {
+    torch.bfloat16: (1e-2, 8e-3),
+    torch.float16: (1e-3, 1e-3),
+    torch.float32: (1e-5, 1e-5),
+}
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    """An output buffer pre-filled with NaN (or the max int) so an unwritten element fails a check."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        t.fill_(float("nan"))
+    else:
+        t.fill_(torch.iinfo(dtype).max if dtype != torch.bool else True)
+    return t
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, **kw):
+    atol, rtol = ROUNDED_ONCE[dtype or actual.dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=kw.get("atol", atol),
+                               rtol=kw.get("rtol", rtol), equal_nan=False)

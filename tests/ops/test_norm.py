@@ -1,0 +1,170 @@
+import pytest
+import torch
+
+import ember
+from ember import _dispatch
+from ember.ops import norm
+from tests.helpers import assert_close, poisoned
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def float64_add_rmsnorm(x, residual, weight, eps):
+    """Independent float64 math; the residual sum is rounded to x.dtype, as the op documents."""
+    s = (x.double() + residual.double()).to(x.dtype)
+    sd = s.double()
+    return sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps) * weight.double(), s
+
+
+# ------------------------------------------------------------------ reference vs float64
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 99), (2, 5, 123), (4, 2048), (2, 16384)])
+def test_reference_matches_float64(dtype, shape):
+    x, r = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    w = torch.randn(shape[-1]).to(dtype)
+    normed, new_res = ember.ops.add_rmsnorm(x, r, w, 1e-6)
+    exp_normed, exp_res = float64_add_rmsnorm(x, r, w, 1e-6)
+    assert normed.dtype == dtype and new_res.dtype == dtype and normed.shape == x.shape
+    assert torch.equal(new_res, exp_res)
+    assert_close(normed, exp_normed, dtype)
+
+
+def test_rmsnorm_matches_float64():
+    x, w = torch.randn(7, 300), torch.randn(300)
+    xd = x.double()
+    exp = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert_close(ember.ops.rmsnorm(x, w, 1e-5), exp, torch.float32)
+
+
+def test_rmsnorm_matches_torch_rms_norm():
+    x, w = torch.randn(5, 64), torch.randn(64)
+    torch.testing.assert_close(ember.ops.rmsnorm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (64,), w, 1e-6))
+
+
+# ------------------------------------------------------------------ kernel (interpreter) vs reference
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 99), (2, 3, 111), (2, 128), (1, 1000)])
+def test_kernel_matches_reference_interpreter(interpreter, dtype, shape):
+    x, r = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    w = torch.randn(shape[-1]).to(dtype)
+    k = _dispatch.kernels("norm")
+    H = shape[-1]
+    out, new_res = poisoned(shape, dtype, "cpu"), poisoned(shape, dtype, "cpu")
+    k.add_rmsnorm(x.view(-1, H), r.view(-1, H), w, 1e-6, out.view(-1, H), new_res.view(-1, H))
+    exp_normed, exp_res = norm.add_rmsnorm_reference(x, r, w, 1e-6)
+    assert torch.equal(new_res, exp_res)
+    assert_close(out, exp_normed, dtype)
+
+
+def test_public_op_takes_kernel_under_force_triton(interpreter, monkeypatch):
+    calls = []
+    real = _dispatch.kernels
+
+    def spy(family):
+        calls.append(family)
+        return real(family)
+
+    monkeypatch.setattr(_dispatch, "kernels", spy)
+    x, w = torch.randn(3, 40), torch.randn(40)
+    torch.testing.assert_close(ember.ops.rmsnorm(x, w, 1e-6), norm.add_rmsnorm_reference(x, None, w, 1e-6)[0],
+                               atol=1e-5, rtol=1e-5)
+    assert calls == ["norm"]
+
+
+def test_kernel_non_contiguous_rows_interpreter(interpreter):
+    base = torch.randn(6, 2, 64)
+    x = base[:, 0]  # row stride 128, last dim contiguous
+    r = torch.randn(6, 128)[:, ::2]  # last dim strided: the op makes it contiguous
+    w = torch.randn(64)
+    normed, new_res = ember.ops.add_rmsnorm(x, r, w, 1e-6)
+    exp_n, exp_r = norm.add_rmsnorm_reference(x, r, w, 1e-6)
+    assert torch.equal(new_res, exp_r)
+    assert_close(normed, exp_n, torch.float32)
+
+
+# ------------------------------------------------------------------ compile
+def test_torch_compile_fullgraph_cpu():
+    def f(x, r, w):
+        n, s = ember.ops.add_rmsnorm(x, r, w, 1e-6)
+        return ember.ops.rmsnorm(n, w, 1e-6) + s
+
+    x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, r, w), f(x, r, w))
+
+
+def test_compile_traces_the_registered_op(monkeypatch):
+    seen = []
+    real = norm._impl
+    monkeypatch.setattr(norm, "_impl", lambda *a: seen.append(_dispatch.compiling()) or real(*a))
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: ember.ops.rmsnorm(x, w, 1e-6), fullgraph=True, backend="aot_eager")
+    f(torch.randn(2, 8), torch.randn(8))
+    # the custom op runs outside tracing (it is opaque to dynamo), so _impl never sees compiling()==True
+    assert seen and not any(seen)
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: ember.ops.add_rmsnorm(torch.randn(2, 8), torch.randn(2, 8).half(), torch.ones(8), 1e-6), TypeError, "residual"),
+    (lambda: ember.ops.add_rmsnorm(torch.randn(2, 8), torch.randn(1, 8), torch.ones(8), 1e-6), ValueError, "broadcasting"),
+    (lambda: ember.ops.add_rmsnorm(torch.randn(2, 8), torch.randn(2, 8), torch.ones(7), 1e-6), ValueError, "weight"),
+    (lambda: ember.ops.rmsnorm(torch.randint(0, 3, (2, 8)), torch.ones(8), 1e-6), TypeError, "x"),
+    (lambda: ember.ops.rmsnorm(torch.randn(2, 8), torch.ones(8), 0.0), ValueError, "eps"),
+    (lambda: ember.ops.rmsnorm(torch.randn(2, 8), torch.ones(8), -1.0), ValueError, "eps"),
+    (lambda: ember.ops.rmsnorm(torch.randn(2, 8), torch.ones(8), float("nan")), ValueError, "eps"),
+    (lambda: ember.ops.rmsnorm(torch.randn(2, 8), torch.ones(2, 8), 1e-6), ValueError, "weight"),
+    (lambda: ember.ops.rmsnorm(torch.randn(2, 16385), torch.ones(16385), 1e-6), ValueError, "16384"),
+    (lambda: ember.ops.rmsnorm([1.0, 2.0], torch.ones(2), 1e-6), TypeError, "x"),
+    (lambda: ember.ops.add_rmsnorm(torch.randn(2, 8), None, torch.ones(8), 1e-6), TypeError, "residual"),
+])
+def test_bad_input(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+def test_device_mismatch_named():
+    meta_w = torch.ones(8, device="meta")
+    with pytest.raises(ValueError, match="weight: expected device cpu"):
+        ember.ops.rmsnorm(torch.randn(2, 8), meta_w, 1e-6)
+
+
+# ------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2048), (3, 99), (2, 7, 123), (4096, 8192), (5, 16384)])
+def test_gpu_kernel_matches_reference(cuda, dtype, shape):
+    x, r = torch.randn(shape, device=cuda).to(dtype), torch.randn(shape, device=cuda).to(dtype)
+    w = torch.randn(shape[-1], device=cuda).to(dtype)
+    H = shape[-1]
+    out, new_res = poisoned(shape, dtype, cuda), poisoned(shape, dtype, cuda)
+    _dispatch.kernels("norm").add_rmsnorm(x.view(-1, H), r.view(-1, H), w, 1e-6, out.view(-1, H), new_res.view(-1, H))
+    exp_n, exp_r = float64_add_rmsnorm(x, r, w, 1e-6)
+    assert torch.equal(new_res, exp_r)
+    assert_close(out, exp_n, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph(cuda):
+    x, r, w = (torch.randn(4, 2048, device=cuda, dtype=torch.bfloat16) for _ in range(3))
+    w = w[0]
+    f = torch.compile(lambda x, r: ember.ops.add_rmsnorm(x, r, w, 1e-6), fullgraph=True)
+    for got, exp in zip(f(x, r), norm.add_rmsnorm_reference(x, r, w, 1e-6)):
+        assert_close(got, exp)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture(cuda):
+    x = torch.randn(2, 2048, device=cuda, dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = torch.randn(2048, device=cuda, dtype=torch.bfloat16)
+    ember.ops.add_rmsnorm(x, r, w, 1e-6)  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, new_res = ember.ops.add_rmsnorm(x, r, w, 1e-6)
+    x.copy_(torch.randn_like(x))
+    r.copy_(torch.randn_like(r))
+    g.replay()
+    exp_n, exp_r = norm.add_rmsnorm_reference(x, r, w, 1e-6)
+    assert torch.equal(new_res, exp_r)
+    assert_close(out, exp_n)

@@ -1,9 +1,19 @@
-"""``ember <verb>``: doctor, bench (and, as they land, generate and quantize)."""
+"""``ember <verb>``: doctor, bench, and the verbs feature modules contribute (generate, quantize).
+
+A feature verb lives in its own module defining ``HELP``, ``add_arguments(parser)`` and
+``run(args) -> int``; such modules keep heavy imports inside ``run`` so ``ember --help`` stays fast.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+
+VERB_MODULES = {
+    "generate": "ember.engine.cli",
+    "quantize": "ember.quantize_cli",
+}
 
 
 def _cmd_doctor(args) -> int:
@@ -73,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of speedups (needs matplotlib)")
     b.add_argument("--device", help="device to run on (default: cuda if present, cpu with --quick)")
     b.set_defaults(func=_cmd_bench)
+    for verb, module in VERB_MODULES.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name is None or not module.startswith(e.name):
+                raise
+            continue  # feature not in this build
+        v = sub.add_parser(verb, help=mod.HELP)
+        mod.add_arguments(v)
+        v.set_defaults(func=mod.run)
     return p
 
 

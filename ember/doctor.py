@@ -26,6 +26,7 @@ FAMILIES = {
     "fp8": "ember.ops.fp8",
     "moe": "ember.ops.moe",
     "pad": "ember.ops.pad",
+    "conv1d": "ember.ops.conv1d",
 }
 # Families whose fast path needs more than "a GPU Triton can compile for".
 FP8_TENSOR_CORE_MIN_CC = (8, 9)

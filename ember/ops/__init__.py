@@ -13,7 +13,8 @@ _FAMILY_OF = {
     "softmax": "sampling", "log_softmax": "sampling", "argmax": "sampling", "sample": "sampling",
     "quantize_fp8": "fp8", "dequantize_fp8": "fp8", "scaled_mm": "fp8",
     "pad": "pad",
-    "moe_route": "moe", "moe_experts": "moe",
+    "causal_conv1d": "conv1d",
+    "moe_route": "moe", "moe_experts": "moe", "moe": "moe",
 }
 __all__ = sorted(_FAMILY_OF)
 

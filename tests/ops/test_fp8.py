@@ -1,0 +1,295 @@
+import math
+
+import pytest
+import torch
+
+import ember
+from ember import _dispatch
+from ember.ops import fp8
+from tests.helpers import poisoned
+
+E4M3 = torch.float8_e4m3fn
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def rel_frobenius(got, exp) -> float:
+    got, exp = got.double(), exp.double()
+    return ((got - exp).norm() / exp.norm().clamp_min(1e-300)).item()
+
+
+def snr_db(got, exp) -> float:
+    got, exp = got.double(), exp.double()
+    noise = (got - exp).pow(2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10(exp.pow(2).sum().item() / noise)
+
+
+def f64_scaled_mm(a, b, scale_a, scale_b, bias=None):
+    """Independent float64 math on the dequantised operands (scales expanded by index arithmetic)."""
+    M, K = a.shape
+    N = b.shape[1]
+    ad, bd = a.double().cpu(), b.double().cpu()
+    if scale_a is not None:
+        sa = scale_a.double().cpu()
+        if sa.numel() == 1:
+            ad = ad * sa.reshape(())
+        elif sa.shape == (M, 1):
+            ad = ad * sa
+        else:
+            ad = ad * sa[:, torch.arange(K) // 128]
+    sb = scale_b.double().cpu()
+    if sb.numel() == 1:
+        bd = bd * sb.reshape(())
+    elif sb.shape == (1, N):
+        bd = bd * sb
+    else:
+        bd = bd * sb[torch.arange(K) // 128][:, torch.arange(N) // 128]
+    out = ad @ bd
+    if bias is not None:
+        out = out + bias.double().cpu()
+    return out
+
+
+def e4m3_values(shape, gen=None):
+    """Random values exactly representable in e4m3 (every finite non-NaN byte pattern)."""
+    bits = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    bits = torch.where((bits & 0x7F) == 0x7F, torch.zeros_like(bits), bits)  # drop NaN patterns
+    return bits.view(E4M3).float()
+
+
+def make_operands(M, K, N, kind_a, kind_b, *, device="cpu", b_col_major=True):
+    """Quantised a (or bf16 a for weight-only) and b = w.t() with scales of the requested kinds."""
+    x = torch.randn(M, K, device=device)
+    w = torch.randn(N, K, device=device) * 0.05
+    if kind_a is None:
+        a, sa = x.to(torch.bfloat16), None
+    elif kind_a == "block":
+        a, sa = fp8.quantize_fp8(x, "block", (1, 128))
+    else:
+        a, sa = fp8.quantize_fp8(x, kind_a)
+        if kind_a == "tensor":
+            sa = sa.reshape(1, 1)
+    qw, sw = fp8.quantize_fp8(w, kind_b, (128, 128))
+    b = qw.t() if b_col_major else qw.t().contiguous()
+    sb = sw if kind_b == "tensor" else sw.t()
+    return a, b, sa, sb
+
+
+# ====================================================================== quantize / dequantize
+@pytest.mark.parametrize("granularity, shape", [("tensor", (7, 33)), ("tensor", (2, 3, 5)), ("row", (5, 300)),
+                                                ("row", (2, 3, 64)), ("block", (300, 200)), ("block", (128, 128)),
+                                                ("block", (1, 1))])
+def test_quantize_scale_shapes_and_error(granularity, shape):
+    x = torch.randn(shape) * 3
+    q, s = ember.ops.quantize_fp8(x, granularity)
+    expected_shape = {"tensor": (), "row": shape[:-1] + (1,),
+                      "block": (cdiv(shape[0], 128), cdiv(shape[-1], 128))}[granularity]
+    assert q.dtype == E4M3 and q.shape == x.shape
+    assert s.dtype == torch.float32 and tuple(s.shape) == expected_shape
+    back = ember.ops.dequantize_fp8(q, s, torch.float32)
+    # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4 for normal values
+    assert rel_frobenius(back, x) < 0.04
+    assert torch.all(q.float().abs() <= 448)
+
+
+def test_quantize_scales_are_amax_over_448_float64():
+    x = torch.randn(260, 300, dtype=torch.float64)
+    xd = x.abs()
+    _, s_t = ember.ops.quantize_fp8(x.float(), "tensor")
+    _, s_r = ember.ops.quantize_fp8(x.float(), "row")
+    _, s_b = ember.ops.quantize_fp8(x.float(), "block", (128, 128))
+    xf = x.float().double().abs()
+    assert s_t.item() == pytest.approx(xf.max().item() / 448, rel=1e-6)
+    torch.testing.assert_close(s_r.double(), xf.amax(-1, keepdim=True) / 448, rtol=1e-6, atol=0)
+    for i in range(3):
+        for j in range(3):
+            blk = xf[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            assert s_b[i, j].item() == pytest.approx(blk.max().item() / 448, rel=1e-6)
+    assert xd.shape == x.shape
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_quantize_exact_round_trip_on_representable_values(granularity):
+    gen = torch.Generator().manual_seed(1)
+    x = e4m3_values((256, 384), gen)
+    # each group holds +-448 so amax = 448 and the scale is 1 (then powers of two rescale exactly)
+    x[::128, ::128] = 448.0
+    x[:, 0] = -448.0
+    for power in (1.0, 2.0 ** -7, 2.0 ** 5):
+        q, s = ember.ops.quantize_fp8(x * power, granularity)
+        assert torch.all(s == power)
+        assert torch.equal(q.float(), x)
+        assert torch.equal(ember.ops.dequantize_fp8(q, s, torch.float32), x * power)
+
+
+def test_saturating_cast():
+    x = torch.tensor([600.0, -600.0, 480.0, 449.0, 1e30, -float("inf"), 448.0, 0.5])
+    q = fp8.saturating_cast(x)
+    assert q.float().tolist() == [448.0, -448.0, 448.0, 448.0, 448.0, -448.0, 448.0, 0.5]
+
+
+def test_quantize_saturates_never_nan():
+    # 600 sets no scale next to 1e30, so it quantises finely; the huge values saturate exactly
+    x = torch.tensor([[600.0, -600.0, 480.0, 1.0], [1e30, -1e30, 0.0, 448.0]])
+    for g in ("tensor", "row", "block"):
+        q, s = ember.ops.quantize_fp8(x, g)
+        assert not torch.isnan(q.float()).any() and torch.isfinite(s).all()
+        assert torch.all(q.float().abs() <= 448)
+    q, s = ember.ops.quantize_fp8(x, "row")
+    assert q.float()[0].tolist() == [448.0, -448.0, 352.0, 0.75]  # 480/600*448 = 358.4 -> 352; 0.7467 -> 0.75
+    assert q.float()[1, 0] == 448 and q.float()[1, 1] == -448
+
+
+def test_quantize_zero_rows_give_finite_scales():
+    x = torch.zeros(4, 300)
+    x[2] = torch.randn(300)
+    for g in ("tensor", "row", "block"):
+        q, s = ember.ops.quantize_fp8(x, g)
+        assert torch.isfinite(s).all() and (s > 0).all()
+        assert torch.equal(q.float()[0], torch.zeros(300))
+        assert not torch.isnan(q.float()).any()
+
+
+def test_quantize_nan_and_inf_inputs():
+    x = torch.randn(3, 40)
+    x[0, 5] = float("nan")
+    x[1, 7] = float("inf")
+    x[1, 8] = -float("inf")
+    q, s = ember.ops.quantize_fp8(x, "row")
+    assert torch.isfinite(s).all()  # non-finite values do not set the scale
+    assert torch.isnan(q.float()[0, 5]) and torch.isnan(q.float()).sum() == 1
+    assert q.float()[1, 7] == 448 and q.float()[1, 8] == -448
+    assert s[2].item() == pytest.approx(x[2].abs().max().item() / 448, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_low_precision_inputs(dtype):
+    x = (torch.randn(9, 130) * 10).to(dtype)
+    q, s = ember.ops.quantize_fp8(x, "row")
+    assert rel_frobenius(ember.ops.dequantize_fp8(q, s, torch.float32), x.float()) < 0.04
+
+
+# ====================================================================== scaled_mm reference vs float64
+KINDS = [(None, "row"), (None, "block"), (None, "tensor"), ("tensor", "tensor"), ("row", "row"),
+         ("block", "block"), ("row", "block"), ("block", "row")]
+
+
+@pytest.mark.parametrize("kind_a, kind_b", KINDS)
+@pytest.mark.parametrize("M, K, N", [(1, 64, 100), (3, 100, 64), (17, 768, 300), (16, 257, 129)])
+def test_reference_matches_float64(kind_a, kind_b, M, K, N):
+    a, b, sa, sb = make_operands(M, K, N, kind_a, kind_b)
+    bias = torch.randn(N)
+    got = ember.ops.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.float32)
+    exp = f64_scaled_mm(a, b, sa, sb, bias)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    assert rel_frobenius(got, exp) <= 1e-5  # fp32 math on exact fp8 products
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reference_out_dtypes(out_dtype):
+    a, b, sa, sb = make_operands(5, 200, 70, "row", "row")
+    got = ember.ops.scaled_mm(a, b, sa, sb, out_dtype=out_dtype)
+    assert got.dtype == out_dtype
+    assert snr_db(got, f64_scaled_mm(a, b, sa, sb)) >= 40
+
+
+def test_reference_b_any_layout():
+    a, b, sa, sb = make_operands(4, 96, 40, "row", "row")
+    exp = ember.ops.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    got = ember.ops.scaled_mm(a, b.contiguous(), sa, sb, out_dtype=torch.float32)  # row-major b
+    torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+
+
+def test_quantised_linear_close_to_float64_of_original():
+    """End to end: quantising both operands of a real product stays within fp8's error budget."""
+    x, w = torch.randn(8, 512), torch.randn(256, 512)
+    qx, sx = ember.ops.quantize_fp8(x, "row")
+    qw, sw = ember.ops.quantize_fp8(w, "row")
+    got = ember.ops.scaled_mm(qx, qw.t(), sx, sw.t(), out_dtype=torch.float32)
+    exp = x.double() @ w.double().t()
+    assert rel_frobenius(got, exp) < 0.05
+
+
+# ====================================================================== bad input
+def _good():
+    return make_operands(4, 256, 64, "row", "row")
+
+
+@pytest.mark.parametrize("mutate, exc, words", [
+    (lambda a, b, sa, sb: (a, b.float(), sa, sb), TypeError, "b: expected dtype"),
+    (lambda a, b, sa, sb: (a, b.to(torch.float8_e5m2), sa, sb), TypeError, "b: float8_e5m2"),
+    (lambda a, b, sa, sb: (a.float().to(torch.float8_e5m2), b, sa, sb), TypeError, "a: float8_e5m2"),
+    (lambda a, b, sa, sb: (a, b, None, sb), TypeError, "scale_a"),
+    (lambda a, b, sa, sb: (a.float(), b, sa, sb), TypeError, "scale_a: expected None"),
+    (lambda a, b, sa, sb: (a, b, sa, None), TypeError, "scale_b"),
+    (lambda a, b, sa, sb: (a, b, sa.double(), sb), TypeError, "scale_a: expected dtype"),
+    (lambda a, b, sa, sb: (a, b, torch.ones(3, 1), sb), ValueError, r"scale_a: expected shape .*\[4, 1\]"),
+    (lambda a, b, sa, sb: (a, b, sa, torch.ones(64, 1)), ValueError, r"scale_b: expected shape .*\[1, 64\]"),
+    (lambda a, b, sa, sb: (a, b, sa, torch.ones(3, 3)), ValueError, r"scale_b: .*\[2, 1\]"),
+    (lambda a, b, sa, sb: (a, b[:200], sa, sb), ValueError, "b: expected 256 rows"),
+    (lambda a, b, sa, sb: (a[0], b, sa, sb), ValueError, "a: expected a 2-d"),
+    (lambda a, b, sa, sb: (a.int(), b, sa, sb), TypeError, "a: expected dtype"),
+    (lambda a, b, sa, sb: (a, b, sa.fill_(float("nan")), sb), ValueError, "scale_a: expected finite"),
+    (lambda a, b, sa, sb: (a, b, sa, sb.fill_(0.0)), ValueError, "scale_b: expected finite"),
+    (lambda a, b, sa, sb: (a, b, sa, -sb), ValueError, "scale_b: expected finite"),
+    (lambda a, b, sa, sb: (a, b, sa, sb.fill_(float("inf"))), ValueError, "scale_b: expected finite"),
+])
+def test_scaled_mm_bad_input(mutate, exc, words):
+    args = mutate(*_good())
+    with pytest.raises(exc, match=words):
+        ember.ops.scaled_mm(*args)
+
+
+def test_scaled_mm_check_false_skips_value_checks():
+    a, b, sa, sb = _good()
+    out = ember.ops.scaled_mm(a, b, sa, sb.clone().fill_(0.0), check=False)
+    assert torch.equal(out.float(), torch.zeros(4, 64))
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(bias=torch.ones(63)), ValueError, "bias: expected length 64"),
+    (dict(bias=torch.ones(64, dtype=torch.int32)), TypeError, "bias"),
+    (dict(out_dtype=torch.int8), TypeError, "out_dtype"),
+    (dict(bias=torch.ones(64, device="meta")), ValueError, "bias: expected device cpu"),
+])
+def test_scaled_mm_bad_kwargs(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        ember.ops.scaled_mm(*_good(), **kwargs)
+
+
+def test_scaled_mm_device_mismatch_named():
+    a, b, sa, sb = _good()
+    with pytest.raises(ValueError, match="scale_b: expected device cpu"):
+        ember.ops.scaled_mm(a, b, sa, sb.to("meta"))
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: ember.ops.quantize_fp8(torch.randn(4, 4), "channel"), ValueError, "granularity"),
+    (lambda: ember.ops.quantize_fp8(torch.randn(2, 4, 4), "block"), ValueError, "x: expected a 2-d"),
+    (lambda: ember.ops.quantize_fp8(torch.randint(0, 4, (4, 4)), "row"), TypeError, "x: expected dtype"),
+    (lambda: ember.ops.quantize_fp8(torch.randn(4, 4), "block", (0, 128)), ValueError, "block_size"),
+    (lambda: ember.ops.quantize_fp8(torch.randn(4, 4), "block", 128), TypeError, "block_size"),
+    (lambda: ember.ops.dequantize_fp8(torch.randn(4, 4), torch.ones(())), TypeError, "q: expected dtype"),
+    (lambda: ember.ops.dequantize_fp8(torch.randn(4, 4).to(E4M3), torch.ones(3, 1)), ValueError, "scale"),
+    (lambda: ember.ops.dequantize_fp8(torch.randn(4, 4).to(E4M3), torch.ones(()).half()), TypeError, "scale"),
+])
+def test_quantize_bad_input(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+# ====================================================================== compile (CPU)
+def test_torch_compile_fullgraph_cpu():
+    w = torch.randn(64, 256)
+    qw, sw = ember.ops.quantize_fp8(w, "row")
+
+    def f(x):
+        qx, sx = ember.ops.quantize_fp8(x, "row")
+        return ember.ops.scaled_mm(qx, qw.t(), sx, sw.t(), out_dtype=torch.float32)
+
+    x = torch.randn(3, 256)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), f(x))

@@ -27,6 +27,7 @@ FAMILIES = {
     "moe": "ember.ops.moe",
     "pad": "ember.ops.pad",
     "conv1d": "ember.ops.conv1d",
+    "deltanet": "ember.ops.deltanet",
 }
 # Families whose fast path needs more than "a GPU Triton can compile for".
 FP8_TENSOR_CORE_MIN_CC = (8, 9)

@@ -14,6 +14,7 @@ _FAMILY_OF = {
     "quantize_fp8": "fp8", "dequantize_fp8": "fp8", "scaled_mm": "fp8",
     "pad": "pad",
     "causal_conv1d": "conv1d",
+    "gated_delta_rule": "deltanet",
     "moe_route": "moe", "moe_experts": "moe", "moe": "moe",
 }
 __all__ = sorted(_FAMILY_OF)

@@ -1,9 +1,13 @@
+import importlib
+
 import pytest
 import torch
 
 import ember
 from ember import _dispatch
-from ember.ops import moe as moe_ops
+
+# the module, not the public function ember.ops.moe of the same name
+moe_ops = importlib.import_module("ember.ops.moe")
 from tests.helpers import assert_close, poisoned
 
 FP8 = torch.float8_e4m3fn
@@ -123,7 +127,6 @@ def test_moe_is_route_then_experts():
     logits = torch.randn(6, E)
     wgu, wd, _, _ = make_weights(torch.float32)
     tw, tid = float64_route(logits, K)
-    # ember.ops.moe is the module until the lead adds "moe" to the public names
     assert_close(moe_ops.moe(x, logits, wgu, wd, K), float64_experts(x, wgu, wd, tw, tid), torch.float32)
 
 
@@ -133,3 +136,230 @@ def test_experts_accept_int64_ids_and_repeated_experts():
     tid = torch.tensor([[3, 3], [0, 7]])  # token 0 lists expert 3 twice: both pairs count
     tw = torch.tensor([[0.25, 0.5], [1.0, 0.0]])
     assert_close(ember.ops.moe_experts(x, wgu, wd, tw, tid), float64_experts(x, wgu, wd, tw, tid), torch.float32)
+
+
+# ------------------------------------------------------------------ kernels (interpreter) vs reference
+@pytest.fixture
+def poisoned_buffers(monkeypatch):
+    """Every buffer the kernel launchers allocate with torch.empty starts as NaN (or max int)."""
+    from ember.kernels import moe as kmod  # noqa: F401  (imported under the interpreter fixture)
+    real_empty = torch.empty
+
+    def poison(shape, dtype, device):
+        t = real_empty(shape, dtype=dtype, device=device)
+        return t.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max)
+
+    def empty(*shape, dtype=None, device=None, **kw):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+        return poison(tuple(shape), dtype or torch.get_default_dtype(), device or "cpu")
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", lambda t, dtype=None, **kw: poison(t.shape, dtype or t.dtype, t.device))
+    yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_kernels_match_reference_interpreter(interpreter, poisoned_buffers, dtype, T):
+    x = torch.randn(T, H).to(dtype)
+    wgu, wd, _, _ = make_weights(dtype)
+    logits = torch.randn(T, E)
+    tw, tid = ember.ops.moe_route(logits, K)  # the routing kernel
+    rw, rid = moe_ops.moe_route_reference(logits, K)
+    assert torch.equal(tid, rid)
+    torch.testing.assert_close(tw, rw, atol=1e-6, rtol=1e-6)
+    expected = moe_ops.moe_experts_reference(x, wgu, wd, rw, rid)
+    assert_close(ember.ops.moe_experts(x, wgu, wd, tw, tid), expected, dtype)
+    assert_close(moe_ops.moe(x, logits, wgu, wd, K), expected, dtype)  # routing fused into dispatch
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_kernels_fp8_row_scale_interpreter(interpreter, poisoned_buffers, T):
+    x = torch.randn(T, H).bfloat16()
+    wgu, gs, wd, ds = make_weights(FP8, scale="row")
+    logits = torch.randn(T, E)
+    got = moe_ops.moe(x, logits, wgu, wd, K, gate_up_scale=gs, down_scale=ds)
+    assert_close(got, moe_ops.moe_reference(x, logits, wgu, wd, K, True, gs, ds), torch.bfloat16)
+
+
+@pytest.mark.parametrize("T", [1, 17])
+def test_kernels_fp8_block_scale_interpreter(interpreter, poisoned_buffers, T):
+    h, i = 256, 160  # 2 x 2 scale blocks in w_down, 3 x 2 in w_gate_up; ragged blocks included
+    x = torch.randn(T, h).bfloat16()
+    wgu, gs, wd, ds = make_weights(FP8, h=h, i=i, scale="block")
+    logits = torch.randn(T, E)
+    got = moe_ops.moe(x, logits, wgu, wd, K, gate_up_scale=gs, down_scale=ds)
+    assert_close(got, moe_ops.moe_reference(x, logits, wgu, wd, K, True, gs, ds), torch.bfloat16)
+
+
+def test_route_kernel_ties_and_no_renormalize_interpreter(interpreter):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [0.0] * 5, [-1.0, 2.0, -1.0, 2.0, 7.0]])
+    for renorm in (True, False):
+        w, ids = ember.ops.moe_route(logits, 3, renormalize=renorm)
+        ew, eids = float64_route(logits, 3, renorm)
+        assert torch.equal(ids.long(), eids)
+        torch.testing.assert_close(w.double(), ew, atol=1e-6, rtol=1e-6)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2], [4, 1, 3]]
+
+
+@pytest.mark.parametrize("T", [1, 2, 17])
+def test_kernels_repeated_expert_in_a_row_interpreter(interpreter, poisoned_buffers, T):
+    x = torch.randn(T, H)
+    wgu, wd, _, _ = make_weights(torch.float32)
+    tid = torch.randint(0, E, (T, K))
+    tid[0] = 5  # token 0 lists expert 5 twice; both pairs count with their own weights
+    tw = torch.rand(T, K)
+    assert_close(ember.ops.moe_experts(x, wgu, wd, tw, tid), float64_experts(x, wgu, wd, tw, tid), torch.float32)
+
+
+def test_kernels_strided_inputs_interpreter(interpreter):
+    base = torch.randn(3, 2 * H)
+    x = base[:, :H]  # row stride 2H
+    wgu, wd, _, _ = make_weights(torch.float32)
+    logits = torch.randn(3, 2 * E)[:, ::2]  # non-contiguous logits
+    assert_close(moe_ops.moe(x, logits, wgu, wd, K), moe_ops.moe_reference(x, logits, wgu, wd, K), torch.float32)
+
+
+def test_public_op_takes_kernel_under_force_triton(interpreter, monkeypatch):
+    calls = []
+    real = _dispatch.kernels
+    monkeypatch.setattr(_dispatch, "kernels", lambda fam: calls.append(fam) or real(fam))
+    x = torch.randn(1, H)
+    wgu, wd, _, _ = make_weights(torch.float32)
+    moe_ops.moe(x, torch.randn(1, E), wgu, wd, K)
+    assert calls == ["moe"]
+
+
+# ------------------------------------------------------------------ compile
+def test_torch_compile_fullgraph_cpu():
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    wgu, wd, _, _ = make_weights(torch.float32)
+
+    def f(x, logits):
+        w, ids = ember.ops.moe_route(logits, K)
+        return ember.ops.moe_experts(x, wgu, wd, w, ids, check=False) + moe_ops.moe(x, logits, wgu, wd, K)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, logits), f(x, logits))
+
+
+# ------------------------------------------------------------------ bad input
+def _args(**over):
+    a = dict(x=torch.randn(2, H), w_gate_up=torch.randn(E, 2 * I, H), w_down=torch.randn(E, H, I),
+             topk_weights=torch.rand(2, K), topk_ids=torch.zeros(2, K, dtype=torch.int32))
+    a.update(over)
+    return a
+
+
+def _experts(**over):
+    a = _args(**over)
+    kw = {k: a.pop(k) for k in ("gate_up_scale", "down_scale", "check") if k in a}
+    return ember.ops.moe_experts(a["x"], a["w_gate_up"], a["w_down"], a["topk_weights"], a["topk_ids"], **kw)
+
+
+q8 = torch.randn(E, 2 * I, H).to(FP8)
+d8 = torch.randn(E, H, I).to(FP8)
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: _experts(x=torch.randn(2, H + 1)), ValueError, "w_gate_up: expected shape"),
+    (lambda: _experts(x=torch.randn(2, 3, H)), ValueError, "x: expected a 2-d"),
+    (lambda: _experts(x=torch.randint(0, 3, (2, H))), TypeError, "x: expected dtype"),
+    (lambda: _experts(w_gate_up=torch.randn(E, 2 * I, H).half()), TypeError, "w_gate_up: expected dtype"),
+    (lambda: _experts(w_gate_up=torch.randn(E, 2 * I + 1, H)), ValueError, "w_gate_up: expected an even"),
+    (lambda: _experts(w_down=torch.randn(E, H, I + 1)), ValueError, "w_down: expected shape"),
+    (lambda: _experts(w_down=torch.randn(E - 1, H, I)), ValueError, "w_down: expected shape"),
+    (lambda: _experts(w_down=torch.randn(E, H, I).half()), TypeError, "w_down: expected dtype"),
+    (lambda: _experts(topk_ids=torch.zeros(3, K, dtype=torch.int32)), ValueError, "topk_ids: expected 2 rows"),
+    (lambda: _experts(topk_ids=torch.zeros(2, K)), TypeError, "topk_ids: expected dtype"),
+    (lambda: _experts(topk_weights=torch.rand(2, K + 1)), ValueError, "topk_weights: expected shape"),
+    (lambda: _experts(topk_ids=torch.full((2, K), E, dtype=torch.int32)), ValueError, r"topk_ids: expected ids in \[0, 8\)"),
+    (lambda: _experts(topk_ids=torch.full((2, K), -1, dtype=torch.int32)), ValueError, "topk_ids: expected ids"),
+    (lambda: _experts(w_gate_up=q8, w_down=d8), ValueError, "gate_up_scale: expected a scale"),
+    (lambda: _experts(w_gate_up=q8, w_down=d8, gate_up_scale=torch.ones(E, 2 * I)), ValueError, "down_scale: expected a scale"),
+    (lambda: _experts(w_gate_up=q8, w_down=d8, gate_up_scale=torch.ones(E, 2 * I, 1), down_scale=torch.ones(E, H)),
+     ValueError, "gate_up_scale: expected shape"),
+    (lambda: _experts(gate_up_scale=torch.ones(E, 2 * I)), ValueError, "gate_up_scale: expected None"),
+    (lambda: ember.ops.moe_route(torch.randn(2, E), 0), ValueError, "top_k"),
+    (lambda: ember.ops.moe_route(torch.randn(2, E), E + 1), ValueError, "top_k"),
+    (lambda: ember.ops.moe_route(torch.randn(2, E), 2.0), TypeError, "top_k"),
+    (lambda: ember.ops.moe_route(torch.randn(2, E, 1), 2), ValueError, "router_logits"),
+    (lambda: ember.ops.moe_route(torch.randint(0, 2, (2, E)), 2), TypeError, "router_logits"),
+    (lambda: moe_ops.moe(torch.randn(2, H), torch.randn(3, E), torch.randn(E, 2 * I, H), torch.randn(E, H, I), K),
+     ValueError, "router_logits: expected 2 rows"),
+    (lambda: moe_ops.moe(torch.randn(2, H), torch.randn(2, E + 1), torch.randn(E, 2 * I, H), torch.randn(E, H, I), K),
+     ValueError, "router_logits: expected 8 columns"),
+])
+def test_bad_input(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+def test_out_of_range_ids_pass_unchecked_with_check_false():
+    # check=False skips the syncing range check; the reference then fails on its own (no silent success)
+    with pytest.raises(IndexError):
+        _experts(topk_ids=torch.full((2, K), E, dtype=torch.int32), check=False)
+
+
+def test_device_mismatch_named():
+    with pytest.raises(ValueError, match="w_down: expected device cpu"):
+        _experts(w_down=torch.randn(E, H, I, device="meta"))
+
+
+# ------------------------------------------------------------------ GPU (Qwen3-30B-A3B shapes)
+QE, QK, QH, QI = 128, 8, 2048, 768
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 16, 512])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, "row", "block"])
+def test_gpu_qwen3_shapes(cuda, T, wdtype):
+    x = torch.randn(T, QH, device=cuda).bfloat16()
+    logits = torch.randn(T, QE, device=cuda)
+    if wdtype == torch.bfloat16:
+        wgu, wd, gs, ds = make_weights(wdtype, QE, QH, QI, device=cuda)
+    else:
+        wgu, gs, wd, ds = make_weights(FP8, QE, QH, QI, device=cuda, scale=wdtype)
+    tw, tid = ember.ops.moe_route(logits, QK)
+    rw, rid = moe_ops.moe_route_reference(logits, QK)
+    assert torch.equal(tid, rid)
+    torch.testing.assert_close(tw, rw, atol=1e-6, rtol=1e-6)
+    expected = moe_ops.moe_experts_reference(x, wgu, wd, rw, rid, gs, ds)
+    assert_close(ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds), expected)
+    assert_close(moe_ops.moe(x, logits, wgu, wd, QK, gate_up_scale=gs, down_scale=ds), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_gpu_other_dtypes(cuda, dtype, T):
+    x = torch.randn(T, 256, device=cuda).to(dtype)
+    wgu, wd, _, _ = make_weights(dtype, 16, 256, 96, device=cuda)
+    logits = torch.randn(T, 16, device=cuda)
+    assert_close(moe_ops.moe(x, logits, wgu, wd, 4), moe_ops.moe_reference(x, logits, wgu, wd, 4), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph(cuda):
+    wgu, wd, _, _ = make_weights(torch.bfloat16, QE, QH, QI, device=cuda)
+    x, logits = torch.randn(4, QH, device=cuda).bfloat16(), torch.randn(4, QE, device=cuda)
+    f = torch.compile(lambda x, l: moe_ops.moe(x, l, wgu, wd, QK), fullgraph=True)
+    assert_close(f(x, logits), moe_ops.moe_reference(x, logits, wgu, wd, QK))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 512])
+def test_gpu_cuda_graph_capture(cuda, T):
+    wgu, wd, _, _ = make_weights(torch.bfloat16, QE, QH, QI, device=cuda)
+    x, logits = torch.randn(T, QH, device=cuda).bfloat16(), torch.randn(T, QE, device=cuda)
+    moe_ops.moe(x, logits, wgu, wd, QK)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = moe_ops.moe(x, logits, wgu, wd, QK)
+    for _ in range(2):  # new inputs, new routing: the graph must follow them
+        x.copy_(torch.randn_like(x))
+        logits.copy_(torch.randn_like(logits))
+        g.replay()
+        assert_close(out, moe_ops.moe_reference(x, logits, wgu, wd, QK))

@@ -1,0 +1,338 @@
+"""The decode engine: static KV cache, prefill, a decode step captured once in a CUDA graph, sampling,
+stop handling, text in / text out.
+
+One decode step is embedding -> every layer -> final norm -> lm_head -> ``ember.ops.sample``, with the
+sampled token, positions and lengths written back into static device buffers, so a replay of the
+captured graph is the whole step and the host only reads the new tokens (one step behind the GPU,
+so the GPU never waits for Python). Prefill runs eagerly (SDPA), one prompt at a time, into that
+prompt's cache row. On CPU the same step runs eagerly through the reference ops.
+
+Example:
+    >>> model = ember.load("Qwen3-30B-A3B")
+    >>> model.generate(["Hello"], max_new_tokens=32, sampling=ember.SamplingParams(temperature=0))
+    >>> for piece in model.stream("Once upon a time", max_new_tokens=64):
+    ...     print(piece, end="", flush=True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+import ember.ops
+from ember.ops.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclasses.dataclass
+class Stats:
+    """Timing of the last generate/stream call (what ``ember generate`` prints)."""
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    new_tokens: int = 0
+    decode_s: float = 0.0
+    warmup_s: float = 0.0
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first new token comes from prefill; the decode loop made the rest
+        return max(self.new_tokens - 1, 0) / self.decode_s if self.decode_s else 0.0
+
+
+class Model:
+    """A loaded model with its static KV cache; built by :func:`ember.load`.
+
+    ``model(input_ids)`` is a cache-free forward ([B, T] -> logits [B, T, V]); ``generate`` and
+    ``stream`` decode with the cache (CUDA graph on GPU).
+    """
+
+    def __init__(self, net, config: dict, tokenizer, *, max_seq_len: int, max_batch_size: int,
+                 eos_ids: Sequence[int] = (), fp8: bool = False, name: str = "model"):
+        self.net, self.config, self.tokenizer = net, config, tokenizer
+        self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
+        self.fp8, self.name = fp8, name
+        self.eos_ids = set(eos_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.device, self.dtype = net.embed.device, net.embed.dtype
+        c = net.attn_cfg
+        shape = (max_batch_size, c.num_kv_heads, max_seq_len, c.head_dim)
+        self.caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                        torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in net.layers]
+        B, dev = max_batch_size, self.device
+        # Static decode state: the CUDA graph reads and advances these in place.
+        self._tokens = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._positions = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self._temperature = torch.zeros(B, dtype=torch.float32, device=dev)
+        self._top_k = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._top_p = torch.ones(B, dtype=torch.float32, device=dev)
+        self._min_p = torch.zeros(B, dtype=torch.float32, device=dev)
+        self._seed = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._offset = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.use_cuda_graph = dev.type == "cuda"
+        self.stats = Stats()
+
+    # ------------------------------------------------------------------ cache-free forward
+    @torch.no_grad()
+    def __call__(self, input_ids) -> torch.Tensor:
+        """Logits [B, T, V] of a full forward without the KV cache (positions 0..T-1)."""
+        ids = torch.as_tensor(input_ids, device=self.device)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids: expected integer token ids [batch, seq], got {ids.dtype} {tuple(ids.shape)}")
+        self._check_ids(ids)
+        return self.net.prefill(ids.long())
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.net.vocab_size):
+            raise ValueError(f"input_ids: expected token ids in [0, {self.net.vocab_size}), got values in "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+
+    # ------------------------------------------------------------------ decode step
+    def _step(self, B: int) -> None:
+        logits = self.net.decode(self._tokens[:B], self._positions[:B], self._seq_lens[:B], self.caches)
+        nxt = ember.ops.sample(logits, temperature=self._temperature[:B], top_k=self._top_k[:B],
+                               top_p=self._top_p[:B], min_p=self._min_p[:B], seed=self._seed[:B],
+                               offset=self._offset, check=False)
+        self._tokens[:B].copy_(nxt)
+        self._positions[:B].add_(1)
+        self._seq_lens[:B].add_(1)
+
+    def _capture(self, B: int) -> torch.cuda.CUDAGraph:
+        """Warm up (Triton compiles, autotunes) and capture one decode step for batch B.
+
+        The warm-up steps advance the state and write cache entries past the live length; the
+        state is restored afterwards and those entries are overwritten before anything reads them.
+        """
+        saved = [t.clone() for t in (self._tokens, self._positions, self._seq_lens, self._offset)]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(B)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step(B)
+        for t, s in zip((self._tokens, self._positions, self._seq_lens, self._offset), saved):
+            t.copy_(s)
+        torch.cuda.synchronize(self.device)
+        return graph
+
+    def warmup(self, batch_size: int = 1) -> float:
+        """Capture the decode graph for ``batch_size`` now (else the first generate does it); seconds."""
+        if not self.use_cuda_graph or batch_size in self._graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self._graphs[batch_size] = self._capture(batch_size)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ generation core
+    def _prepare(self, prompts, sampling, stop):
+        """Normalise inputs -> (is_text, id lists, per-row SamplingParams, per-row stop (ids, strings))."""
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                              and isinstance(prompts[0], int))
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        elif single:
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: expected a string, a list of token ids, or a non-empty list of either")
+        is_text = isinstance(prompts[0], str)
+        if any(isinstance(p, str) != is_text for p in prompts):
+            raise TypeError("prompts: expected all strings or all token-id lists, not a mix")
+        if is_text:
+            if self.tokenizer is None:
+                raise ValueError(f"prompts: text given but {self.name} has no tokenizer files (tokenizer.json); "
+                                 "pass token ids or add the tokenizer")
+            ids = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            ids = [list(map(int, p)) for p in prompts]
+        B = len(ids)
+        if B > self.max_batch_size:
+            raise ValueError(f"prompts: batch of {B} is larger than max_batch_size={self.max_batch_size} "
+                             "(pass a larger max_batch_size to ember.load)")
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompts[{i}]: empty prompt")
+            bad = [t for t in p if not 0 <= t < self.net.vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}]: token id {bad[0]} outside [0, {self.net.vocab_size})")
+        if isinstance(sampling, SamplingParams) or sampling is None:
+            sampling = [sampling or GREEDY] * B
+        if len(sampling) != B or not all(isinstance(s, SamplingParams) for s in sampling):
+            raise ValueError(f"sampling: expected a SamplingParams or a list of {B} of them")
+        per_row = isinstance(stop, (list, tuple)) and stop and all(s is None or isinstance(s, (list, tuple, set))
+                                                                  for s in stop)
+        stops = list(stop) if per_row else [stop] * B
+        if len(stops) != B:
+            raise ValueError(f"stop: expected one stop list per prompt ({B}), got {len(stops)}")
+        parsed = []
+        for s in stops:
+            items = [] if s is None else ([s] if isinstance(s, (str, int)) else list(s))
+            tok_ids = {int(x) for x in items if isinstance(x, int)} | self.eos_ids
+            parsed.append((tok_ids, [x for x in items if isinstance(x, str)]))
+        return is_text, ids, sampling, parsed
+
+    def _set_sampling(self, sampling: list[SamplingParams]) -> None:
+        B = len(sampling)
+        seeds = [s.seed if s.seed is not None else random.getrandbits(62) for s in sampling]
+        vals = {"temperature": [float(s.temperature) for s in sampling], "top_k": [int(s.top_k) for s in sampling],
+                "top_p": [float(s.top_p) for s in sampling], "min_p": [float(s.min_p) for s in sampling]}
+        self._temperature[:B].copy_(torch.tensor(vals["temperature"]))
+        self._top_k[:B].copy_(torch.tensor(vals["top_k"]))
+        self._top_p[:B].copy_(torch.tensor(vals["top_p"]))
+        self._min_p[:B].copy_(torch.tensor(vals["min_p"]))
+        self._seed[:B].copy_(torch.tensor(seeds))
+        self._offset.zero_()
+
+    def _decode_rows(self, ids: list[list[int]], sampling: list[SamplingParams], max_new_tokens: int) -> Iterator[list[int]]:
+        """Yield the new token of every row, step by step (the caller stops iterating when done)."""
+        B = len(ids)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        longest = max(len(p) for p in ids)
+        if longest + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompts: prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
+                             f"max_seq_len={self.max_seq_len} (pass a larger max_seq_len to ember.load)")
+        st = self.stats = Stats(prompt_tokens=sum(len(p) for p in ids))
+        self._set_sampling(sampling)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+        with torch.no_grad():
+            sync()
+            t0 = time.perf_counter()
+            last = []
+            for b, p in enumerate(ids):  # each prompt into its own cache row, outside the graph
+                row_caches = [(k[b:b + 1], v[b:b + 1]) for k, v in self.caches]
+                last.append(self.net.prefill(torch.tensor([p], device=self.device), row_caches, last_only=True))
+            logits = torch.cat(last)                                                   # [B, V]
+            first = ember.ops.sample(logits, temperature=self._temperature[:B], top_k=self._top_k[:B],
+                                     top_p=self._top_p[:B], min_p=self._min_p[:B], seed=self._seed[:B],
+                                     offset=self._offset, check=False)  # SamplingParams validated the values
+            self._tokens[:B].copy_(first)
+            lens = torch.tensor([len(p) for p in ids], device=self.device)
+            self._positions[:B].copy_(lens)
+            self._seq_lens[:B].copy_(lens + 1)
+            first_host = first.tolist()
+            st.prefill_s = time.perf_counter() - t0
+            st.new_tokens = 1
+            yield first_host
+            if max_new_tokens == 1:
+                return
+            graph = None
+            if self.use_cuda_graph:
+                if B not in self._graphs:
+                    st.warmup_s = self.warmup(B)
+                graph = self._graphs[B]
+            t1 = time.perf_counter()
+            # The host reads step k's tokens while the GPU runs step k + 1.
+            host = [torch.empty(B, dtype=torch.int64, pin_memory=self.device.type == "cuda") for _ in range(2)]
+            events = [torch.cuda.Event() if graph is not None else None for _ in range(2)]
+            pending = None
+            for k in range(max_new_tokens - 1):
+                if graph is not None:
+                    graph.replay()
+                    host[k % 2].copy_(self._tokens[:B], non_blocking=True)
+                    events[k % 2].record()
+                else:
+                    self._step(B)
+                    host[k % 2].copy_(self._tokens[:B])
+                if pending is not None:
+                    if events[pending] is not None:
+                        events[pending].synchronize()
+                    st.new_tokens += 1
+                    st.decode_s = time.perf_counter() - t1
+                    yield host[pending].tolist()
+                pending = k % 2
+            if events[pending] is not None:
+                events[pending].synchronize()
+            st.new_tokens += 1
+            st.decode_s = time.perf_counter() - t1
+            yield host[pending].tolist()
+
+    # ------------------------------------------------------------------ public generation API
+    def generate(self, prompts, max_new_tokens: int = 128, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 stop=None) -> list:
+        """Generate continuations for a batch of prompts (<= max_batch_size).
+
+        ``prompts``: a string, a list of strings, a list of token ids, or a list of such lists.
+        ``sampling``: one SamplingParams for all rows or one per row (default greedy).
+        ``stop``: token ids and/or strings ending a row (EOS always does), or one such list per row.
+        Returns the new text per prompt for text prompts, the new token ids otherwise (the stop
+        token / string excluded).
+
+        Example:
+            >>> model.generate(["Hi", "Bye"], max_new_tokens=8, sampling=ember.SamplingParams(temperature=0.7, seed=1))
+        """
+        is_text, ids, sampling, stops = self._prepare(prompts, sampling, stop)
+        B = len(ids)
+        out: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        texts = [""] * B
+        for toks in self._decode_rows(ids, sampling, max_new_tokens):
+            for b, t in enumerate(toks):
+                if done[b]:
+                    continue
+                if t in stops[b][0]:
+                    done[b] = True
+                    continue
+                out[b].append(t)
+                if stops[b][1] and self.tokenizer is not None:
+                    texts[b] = self.tokenizer.decode(out[b])
+                    if any(s in texts[b] for s in stops[b][1]):
+                        done[b] = True
+            if all(done):
+                break
+        if not is_text:
+            return out
+        results = []
+        for b in range(B):
+            text = self.tokenizer.decode(out[b])
+            cut = min([text.index(s) for s in stops[b][1] if s in text], default=len(text))
+            results.append(text[:cut])
+        return results
+
+    def stream(self, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None, stop=None) -> Iterator:
+        """Yield the continuation of one prompt as it is decoded: text pieces for a text prompt
+        (whole characters only), token ids for a token-id prompt.
+
+        Example:
+            >>> for piece in model.stream("Once upon a time", max_new_tokens=32):
+            ...     print(piece, end="")
+        """
+        if not isinstance(prompt, str) and isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+            raise ValueError("prompt: stream takes one prompt (a string or a list of token ids)")
+        is_text, ids, sampling, stops = self._prepare(prompt, sampling, stop)
+        tok_stop, str_stop = stops[0]
+        out: list[int] = []
+        emitted = ""
+        for (t,) in self._decode_rows(ids, sampling, max_new_tokens):
+            if t in tok_stop:
+                return
+            out.append(t)
+            if not is_text:
+                yield t
+                continue
+            text = self.tokenizer.decode(out)
+            hit = min([text.index(s) for s in str_stop if s in text], default=None)
+            if hit is not None:
+                if hit > len(emitted):
+                    yield text[len(emitted):hit]
+                return
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+                continue
+            if len(text) > len(emitted):
+                yield text[len(emitted):]
+                emitted = text

@@ -1,0 +1,157 @@
+"""Triton kernels for decode attention: fused q/k RMSNorm + RoPE + KV-cache write, and split-sequence
+attention over the live part of a static cache followed by a combine."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels._common import round_to
+
+
+@triton.jit
+def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, q_ptr,
+                               stride_qkv, stride_cos, skb, skh, sks, svb, svh, svs, eps,
+                               NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr):
+    # One program per (row, head) for the NH query heads and KVH key heads; key-head programs also
+    # copy that head's v.
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    offs = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    row = qkv_ptr + b * stride_qkv
+    if h < NH:
+        src = row + h * D
+        w_ptr = qn_ptr
+        dst = q_ptr + (b * NH + h) * D
+    else:
+        kvh = h - NH
+        src = row + (NH + kvh) * D
+        w_ptr = kn_ptr
+        dst = kc_ptr + b * skb + kvh * skh + pos * sks
+        v_offs = tl.arange(0, D)
+        v = tl.load(row + (NH + KVH + kvh) * D + v_offs)
+        tl.store(vc_ptr + b * svb + kvh * svh + pos * svs + v_offs, v)
+    x1 = tl.load(src + offs).to(tl.float32)
+    x2 = tl.load(src + HALF + offs).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+    dt = q_ptr.dtype.element_ty
+    # Round after the norm and round cos/sin, as the reference (and transformers) do in the I/O dtype.
+    n1 = round_to(x1 * inv_rms * tl.load(w_ptr + offs).to(tl.float32), dt).to(tl.float32)
+    n2 = round_to(x2 * inv_rms * tl.load(w_ptr + HALF + offs).to(tl.float32), dt).to(tl.float32)
+    c = round_to(tl.load(cos_ptr + pos * stride_cos + offs), dt).to(tl.float32)
+    s = round_to(tl.load(sin_ptr + pos * stride_cos + offs), dt).to(tl.float32)
+    tl.store(dst + offs, round_to(n1 * c - n2 * s, dt))
+    tl.store(dst + HALF + offs, round_to(n2 * c + n1 * s, dt))
+
+
+def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps) -> None:
+    B = qkv.shape[0]
+    NH, D = q_out.shape[1], q_out.shape[2]
+    KVH = k_cache.shape[1]
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _qk_norm_rope_cache_kernel[(B, NH + KVH)](
+        qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out,
+        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
+        NH=NH, KVH=KVH, D=D, num_warps=1)
+
+
+@triton.jit
+def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse_ptr, scale,
+                                   skb, skh, sks, svb, svh, svs,
+                                   NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                                   GP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   NSPLIT: tl.constexpr, IEEE: tl.constexpr):
+    # One program per (row, kv head, sequence chunk): the G query heads sharing that kv head attend
+    # over positions [split * CHUNK, min((split + 1) * CHUNK, len)); empty chunks write lse = -inf.
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(len_ptr + b).to(tl.int32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, length)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    g_mask = offs_g < G
+    head = kvh * G + offs_g
+    # fp32 operands: bf16/fp16 values are exact in tf32, so the default (tf32) dot loses nothing on
+    # q.k, and the interpreter (CI) mis-multiplies bf16 dots.
+    q = tl.load(q_ptr + (b * NH + head)[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    k_base = kc_ptr + b * skb + kvh * skh
+    v_base = vc_ptr + b * svb + kvh * svh
+    for n in range(start, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * sks + offs_d[None, :], mask=n_mask[:, None],
+                    other=0.0).to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svs + offs_d[None, :], mask=n_mask[:, None],
+                    other=0.0).to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    live = l_i > 0
+    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("-inf"))
+    part_row = (b * NH + head) * NSPLIT + split  # part [B, NH, NSPLIT, D], lse [B, NH, NSPLIT]
+    tl.store(part_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(lse_ptr + part_row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_attention_combine_kernel(part_ptr, lse_ptr, out_ptr, NH: tl.constexpr, D: tl.constexpr,
+                                     NSPLIT: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, NSPLIT)
+    offs_d = tl.arange(0, D)
+    base = (b * NH + h) * NSPLIT
+    lse = tl.load(lse_ptr + base + offs_s)
+    m = tl.max(lse, axis=0)
+    w = tl.exp(lse - m)  # empty chunks: exp(-inf) = 0
+    part = tl.load(part_ptr + (base + offs_s)[:, None] * D + offs_d[None, :])
+    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + (b * NH + h) * D + offs_d, round_to(out, out_ptr.dtype.element_ty))
+
+
+def _split_plan(S: int, rows_x_heads: int) -> tuple[int, int, int]:
+    """(NSPLIT, CHUNK, BLOCK_N): enough programs to cover the SMs, chunks a multiple of BLOCK_N."""
+    block_n = 32
+    blocks = triton.cdiv(S, block_n)
+    # ~256+ programs in total fill the 132 SMs of an H200; more splits only add combine work.
+    nsplit = min(triton.next_power_of_2(blocks), max(1, triton.next_power_of_2(triton.cdiv(256, rows_x_heads))), 64)
+    chunk = triton.cdiv(blocks, nsplit) * block_n
+    return nsplit, chunk, block_n
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
+    B, NH, D = q.shape
+    KVH, S = k_cache.shape[1], k_cache.shape[2]
+    G = NH // KVH
+    q = q.contiguous()
+    nsplit, chunk, block_n = _split_plan(S, B * KVH)
+    part = torch.empty(B, NH, nsplit, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, NH, nsplit, dtype=torch.float32, device=q.device)
+    _decode_attention_split_kernel[(B, KVH, nsplit)](
+        q, k_cache, v_cache, seq_lens, part, lse, scale,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=block_n,
+        NSPLIT=nsplit, IEEE=q.dtype == torch.float32, num_warps=4)
+    _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1)

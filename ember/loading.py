@@ -1,0 +1,251 @@
+"""``ember.load``: a local Hugging Face checkpoint directory -> :class:`ember.Model`.
+
+Reads ``config.json``; ``model.safetensors`` or shards listed in ``model.safetensors.index.json``
+(never pickles); bf16 / fp16 / fp32 weights; Hugging Face fine-grained FP8 checkpoints (weights in
+float8_e4m3fn with 128x128 block ``weight_scale_inv``), which is also the format ``ember quantize``
+writes; and the tokenizer (``tokenizer.json``, chat template) when present.
+
+FP8 layout in memory: dense linears become :class:`ember.nn.Fp8Linear`; expert weights stay stacked
+in fp8 with decode scales the moe op reads (per 128x128 block from a checkpoint whose blocks stack,
+per output row when quantising on load). The router, norms, embeddings and lm_head stay in ``dtype``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ember.models import _common, module_for
+
+FP8 = torch.float8_e4m3fn
+BLOCK = 128
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1,
+             "U8": 1, "BOOL": 1, "I16": 2}
+# Tensors some checkpoints carry that no forward pass reads.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- config / files
+def read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise FileNotFoundError(f"path: expected a checkpoint directory, got {str(path)!r} (not a directory)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face checkpoint directory "
+                                "(config.json + model.safetensors)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object")
+    return cfg
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: expected a non-empty 'weight_map'")
+        files = {n: path / f for n, f in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise FileNotFoundError(f"{index}: lists shard {f.name}, which does not exist")
+        return files
+    if single.is_file():
+        return {n: single for n in _open(single).keys()}
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise ValueError(f"{path}: only pickle checkpoints (*.bin / *.pt) found; ember reads safetensors only "
+                         "(it never unpickles). Convert with transformers' save_pretrained(safe_serialization=True).")
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _open(file: Path):
+    from safetensors import safe_open
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, OSError: a truncated or foreign file
+        raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def _tensor_bytes(files: dict[str, Path], dtype: torch.dtype, fp8: bool) -> int:
+    """Bytes the loaded weights take: floats in ``dtype`` (fp8 linears 1 byte), fp8 kept as is."""
+    total = 0
+    by_file: dict[Path, list[str]] = {}
+    for n, f in files.items():
+        by_file.setdefault(f, []).append(n)
+    for f, names in by_file.items():
+        h = _open(f)
+        for n in names:
+            sl = h.get_slice(n)
+            numel = 1
+            for d in sl.get_shape():
+                numel *= d
+            st = sl.get_dtype()
+            if st.startswith("F8") or (fp8 and len(sl.get_shape()) >= 2 and "proj" in n):
+                total += numel
+            elif st in ("F16", "BF16", "F32", "F64"):
+                total += numel * torch.empty((), dtype=dtype).element_size()
+            else:
+                total += numel * _ST_BYTES.get(st, 4)
+    return total
+
+
+def _check_memory(device: torch.device, needed: int) -> None:
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if needed > free:
+        raise MemoryError(f"not enough GPU memory on {device} to load: need ~{needed / 1e9:.2f} GB "
+                          f"(weights + KV cache), {free / 1e9:.2f} GB free")
+
+
+def _resolve_dtype(cfg: dict, dtype, device: torch.device) -> torch.dtype:
+    if dtype is not None:
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+            dtype = _DTYPES[dtype]
+        if dtype not in _DTYPES.values():
+            raise TypeError(f"dtype: expected torch.bfloat16, float16 or float32, got {dtype}")
+        return dtype
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return _DTYPES.get(name, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- FP8 builders
+def fp8_linear(src: _common.TensorSource, prefix: str, out_f: int, in_f: int, bias=None):
+    """Fp8Linear from a checkpoint fp8 weight + block scale, or quantised here (per row)."""
+    from ember.nn import Fp8Linear
+    from ember.ops import fp8 as fp8_ops
+    w = src.raw(f"{prefix}.weight", (out_f, in_f))
+    scale_name = f"{prefix}.weight_scale_inv"
+    if src.has(scale_name):
+        s = src.raw(scale_name, (_cdiv(out_f, BLOCK), _cdiv(in_f, BLOCK)))
+        return Fp8Linear.from_fp8(w.to(src.device), s.to(src.device, torch.float32), bias, dtype=src.dtype)
+    q, s = fp8_ops.quantize_fp8(w.to(src.device, src.dtype), "row")
+    return Fp8Linear.from_fp8(q, s, bias, dtype=src.dtype, check=False)
+
+
+def fp8_concat_linear(src: _common.TensorSource, prefixes: list[str], outs: list[int], in_f: int, *, bias: bool):
+    """One Fp8Linear over concatenated output rows (q,k,v or gate,up). Checkpoint block scales
+    stack when every part's rows are a multiple of 128; otherwise the parts are dequantised and the
+    whole weight requantised per row (one more rounding, only for odd-sized toy models)."""
+    from ember.nn import Fp8Linear
+    from ember.ops import fp8 as fp8_ops
+    b = torch.cat([src.get(f"{p}.bias", (o,)) for p, o in zip(prefixes, outs)]) if bias else None
+    parts, scales = [], []
+    for p, o in zip(prefixes, outs):
+        w = src.raw(f"{p}.weight", (o, in_f))
+        s = src.raw(f"{p}.weight_scale_inv", (_cdiv(o, BLOCK), _cdiv(in_f, BLOCK))) \
+            if src.has(f"{p}.weight_scale_inv") else None
+        parts.append(w.to(src.device))
+        scales.append(None if s is None else s.to(src.device, torch.float32))
+    if all(s is not None for s in scales) and all(o % BLOCK == 0 for o in outs):
+        return Fp8Linear.from_fp8(torch.cat(parts), torch.cat(scales), b, dtype=src.dtype)
+    full = torch.cat([w.float() if s is None else fp8_ops.dequantize_fp8(w, s, torch.float32)
+                      for w, s in zip(parts, scales)]).to(src.dtype)
+    q, s = fp8_ops.quantize_fp8(full, "row")
+    return Fp8Linear.from_fp8(q, s, b, dtype=src.dtype, check=False)
+
+
+def fp8_experts(src: _common.TensorSource, gate_up, down, gate_up_scale, down_scale):
+    """Stacked expert weights -> (fp8 gate_up, fp8 down, scales) on the device for ember.ops.moe."""
+    from ember.ops import fp8 as fp8_ops
+    dev = src.device
+    if gate_up_scale is not None:
+        E, two_i, H = gate_up.shape
+        gate_up, down = gate_up.to(dev), down.to(dev)
+        gate_up_scale, down_scale = gate_up_scale.to(dev, torch.float32), down_scale.to(dev, torch.float32)
+        if (two_i // 2) % BLOCK == 0:  # gate and up block rows stack into [E, 2I/128, H/128]
+            return gate_up, down, gate_up_scale, down_scale
+        I = two_i // 2
+        parts = []
+        for e in range(E):  # the gate and up halves each had their own partial last block
+            g = fp8_ops.dequantize_fp8(gate_up[e, :I], gate_up_scale[e, : gate_up_scale.shape[1] // 2], torch.float32)
+            u = fp8_ops.dequantize_fp8(gate_up[e, I:], gate_up_scale[e, gate_up_scale.shape[1] // 2:], torch.float32)
+            parts.append(torch.cat([g, u]))
+        q, s = fp8_ops.quantize_fp8(torch.stack(parts), "row")
+        return q, down, s.squeeze(-1), down_scale
+    q_gu, s_gu = fp8_ops.quantize_fp8(gate_up.to(dev, src.dtype), "row")
+    q_d, s_d = fp8_ops.quantize_fp8(down.to(dev, src.dtype), "row")
+    return q_gu, q_d, s_gu.squeeze(-1), s_d.squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- load
+def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int = 4096, max_batch_size: int = 1):
+    """Load a Hugging Face checkpoint directory into an :class:`ember.Model` ready to generate.
+
+    ``dtype`` defaults to the checkpoint's (bf16 for FP8 checkpoints); ``fp8=True`` quantises the
+    linear and expert weights to float8_e4m3fn on load. The static KV cache holds ``max_batch_size``
+    rows of ``max_seq_len`` tokens.
+
+    Example:
+        >>> model = ember.load("Qwen3-30B-A3B", fp8=True, max_seq_len=8192)
+        >>> model.generate(["The capital of France is"], max_new_tokens=16)
+    """
+    from ember.engine import Model
+    from ember.engine.tokenizer import load_tokenizer
+    for name, v in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    path = Path(os.fspath(path)).expanduser()
+    cfg = read_config(path)
+    module = module_for(cfg.get("model_type"))
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    quant = cfg.get("quantization_config") or {}
+    if quant and quant.get("quant_method") != "fp8":
+        raise ValueError(f"config.json: quantization_config.quant_method {quant.get('quant_method')!r} is not "
+                         "supported (ember reads 'fp8' fine-grained checkpoints)")
+    if quant and list(quant.get("weight_block_size", [BLOCK, BLOCK])) != [BLOCK, BLOCK]:
+        raise ValueError(f"config.json: weight_block_size {quant.get('weight_block_size')} is not supported "
+                         f"(expected [{BLOCK}, {BLOCK}])")
+    dtype = _resolve_dtype(cfg, dtype, device)
+    files = checkpoint_files(path)
+    attn = _common.AttentionConfig.from_hf(cfg)
+    kv_bytes = (2 * cfg["num_hidden_layers"] * max_batch_size * attn.num_kv_heads * max_seq_len * attn.head_dim
+                * torch.empty((), dtype=dtype).element_size())
+    _check_memory(device, _tensor_bytes(files, dtype, fp8) + kv_bytes)
+
+    handles: dict[Path, object] = {}
+
+    def fetch(name: str) -> torch.Tensor:
+        f = files[name]
+        if f not in handles:
+            handles[f] = _open(f)
+        try:
+            return handles[f].get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{f}: could not read tensor {name} ({type(e).__name__}: {e})") from None
+
+    src = _common.TensorSource(set(files), fetch, device, dtype)
+    with torch.no_grad():
+        net = module.build(src, cfg, fp8=fp8, max_seq_len=max_seq_len)
+    extra = sorted(n for n in src.names - src.used if not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        shown = ", ".join(extra[:8]) + (f" and {len(extra) - 8} more" if len(extra) > 8 else "")
+        raise ValueError(f"checkpoint: unexpected tensor(s) the {cfg['model_type']} config does not use: {shown}")
+    net.eval()
+    return Model(net, cfg, load_tokenizer(path), max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                 eos_ids=_eos_ids(path, cfg), fp8=fp8 or bool(quant), name=path.name)
+
+
+def _eos_ids(path: Path, cfg: dict) -> list[int]:
+    ids = []
+    gen = path / "generation_config.json"
+    for source in ([json.loads(gen.read_text())] if gen.is_file() else []) + [cfg]:
+        v = source.get("eos_token_id")
+        if v is None:
+            continue
+        ids.extend(v if isinstance(v, list) else [v])
+    return sorted(set(int(i) for i in ids))

@@ -1,0 +1,24 @@
+"""Model families, one self-contained file per Hugging Face ``model_type``.
+
+Each module defines ``MODEL_TYPE`` and ``build(src, cfg, *, fp8, max_seq_len) -> CausalLM`` where
+``src`` is a :class:`ember.models._common.TensorSource` over the checkpoint's tensors.
+
+Example:
+    >>> from ember.models import SUPPORTED
+    >>> sorted(SUPPORTED)
+    ['qwen3', 'qwen3_moe']
+"""
+import importlib
+
+# model_type -> module
+SUPPORTED = {
+    "qwen3": "ember.models.qwen3",
+    "qwen3_moe": "ember.models.qwen3_moe",
+}
+
+
+def module_for(model_type):
+    if model_type not in SUPPORTED:
+        raise ValueError(f"config.json: model_type {model_type!r} is not supported; ember supports "
+                         f"{', '.join(sorted(SUPPORTED))}")
+    return importlib.import_module(SUPPORTED[model_type])

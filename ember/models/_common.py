@@ -1,0 +1,306 @@
+"""Blocks shared by the model files where the logic is identical: linear layers (bf16 or FP8), the
+Qwen3 attention block (q/k RMSNorm, RoPE, GQA) with its prefill and decode paths, the dense SwiGLU
+MLP, the RoPE table and the decoder-only skeleton (embedding, layers, final norm, lm_head).
+
+A model file (``qwen3.py``, ``qwen3_moe.py``) supplies its config parsing, its MLP and the map from
+checkpoint tensor names to the tensors it needs; everything else is here.
+
+Shapes: B rows, T tokens, H hidden, NH query heads, KVH key/value heads, D head dim, S cache length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ember.ops
+attn_ops = importlib.import_module("ember.ops.attention")
+
+
+# ----------------------------------------------------------------------------- config
+@dataclasses.dataclass
+class AttentionConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "AttentionConfig":
+        rope = cfg.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (ember implements 'default')")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("config.json: use_sliding_window=true is not supported")
+        nh = cfg["num_attention_heads"]
+        return cls(hidden_size=cfg["hidden_size"], num_heads=nh, num_kv_heads=cfg.get("num_key_value_heads", nh),
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // nh,
+                   rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                   attention_bias=bool(cfg.get("attention_bias", False)))
+
+
+def rope_tables(head_dim: int, theta: float, max_seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_seq_len, head_dim // 2] in float32, computed as transformers does (fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return freqs.cos().to(device), freqs.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, D] rotated by cos/sin [..., T, D/2] (rotate-half convention), in x.dtype.
+
+    Like transformers, cos/sin are rounded to x.dtype and the products taken in x.dtype.
+    """
+    cos, sin = cos.to(x.dtype).unsqueeze(-2), sin.to(x.dtype).unsqueeze(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ----------------------------------------------------------------------------- linear layers
+class Linear(nn.Module):
+    """y = x W^T (+ b); the bf16/fp16/fp32 counterpart of ember.nn.Fp8Linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+# ----------------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    """Qwen3 attention: one fused qkv projection, RMSNorm on q and k per head, RoPE, GQA, o-proj."""
+
+    def __init__(self, cfg: AttentionConfig, qkv: nn.Module, o: nn.Module, q_norm: torch.Tensor, k_norm: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv, self.o = qkv, o
+        self.q_norm = nn.Parameter(q_norm, requires_grad=False)
+        self.k_norm = nn.Parameter(k_norm, requires_grad=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def _split(self, qkv: torch.Tensor):
+        c = self.cfg
+        return qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+
+    def prefill(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """h [B, T, H] at positions 0..T-1 -> [B, T, H]; writes k, v into cache [B, KVH, >=T, D] if given."""
+        c = self.cfg
+        B, T, _ = h.shape
+        q, k, v = self._split(self.qkv(h))
+        q = ember.ops.rmsnorm(q.reshape(B, T, c.num_heads, c.head_dim), self.q_norm, c.rms_norm_eps)
+        k = ember.ops.rmsnorm(k.reshape(B, T, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_norm_eps)
+        q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        if cache is not None:
+            cache[0][:B, :, :T].copy_(k)
+            cache[1][:B, :, :T].copy_(v)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                             enable_gqa=c.num_heads != c.num_kv_heads)
+        return self.o(out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+
+    def decode(self, h: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """h [B, H], one token per row at ``positions`` [B] -> [B, H]; appends k, v to the cache."""
+        c = self.cfg
+        q = attn_ops.qk_norm_rope_cache(self.qkv(h), self.q_norm, self.k_norm, cos, sin, positions,
+                                        cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps)
+        out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
+        return self.o(out)
+
+
+class DenseMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] projection (gate rows first)."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module):
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+# ----------------------------------------------------------------------------- decoder skeleton
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: Attention, mlp: nn.Module, ln1: torch.Tensor, ln2: torch.Tensor, eps: float):
+        super().__init__()
+        self.attn, self.mlp = attn, mlp
+        self.ln1 = nn.Parameter(ln1, requires_grad=False)
+        self.ln2 = nn.Parameter(ln2, requires_grad=False)
+        self.eps = eps
+
+
+class CausalLM(nn.Module):
+    """Embedding -> layers (pre-norm attention and MLP, residual stream) -> final norm -> lm_head.
+
+    ``prefill`` handles whole prompts (SDPA, outside CUDA graphs); ``decode`` one token per row
+    against the static KV cache, written so that it can be captured in a CUDA graph (no host syncs,
+    fixed shapes, positions and lengths read from device tensors).
+    """
+
+    def __init__(self, embed: torch.Tensor, layers: list[DecoderLayer], norm: torch.Tensor, lm_head: nn.Module,
+                 attn_cfg: AttentionConfig, max_seq_len: int):
+        super().__init__()
+        self.embed = nn.Parameter(embed, requires_grad=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.Parameter(norm, requires_grad=False)
+        self.lm_head = lm_head
+        self.attn_cfg = attn_cfg
+        self.eps = attn_cfg.rms_norm_eps
+        cos, sin = rope_tables(attn_cfg.head_dim, attn_cfg.rope_theta, max_seq_len, embed.device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed.shape[0]
+
+    def _run(self, x: torch.Tensor, attend, last_only: bool = False) -> torch.Tensor:
+        normed, residual = ember.ops.rmsnorm(x, self.layers[0].ln1, self.eps), x
+        for i, layer in enumerate(self.layers):
+            a = attend(i, layer.attn, normed)
+            normed, residual = ember.ops.add_rmsnorm(a, residual, layer.ln2, self.eps)
+            m = layer.mlp(normed)
+            if i + 1 < len(self.layers):
+                normed, residual = ember.ops.add_rmsnorm(m, residual, self.layers[i + 1].ln1, self.eps)
+        if last_only:  # every layer needs all positions; the final norm and lm_head only the last
+            m, residual = m[:, -1], residual[:, -1]
+        normed, _ = ember.ops.add_rmsnorm(m, residual, self.norm, self.eps)
+        return self.lm_head(normed)
+
+    def prefill(self, input_ids: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """input_ids [B, T] (positions 0..T-1) -> logits [B, T, V] ([B, V] with last_only)."""
+        T = input_ids.shape[1]
+        if T > self.cos.shape[0]:
+            raise ValueError(f"input_ids: expected at most {self.cos.shape[0]} tokens (max_seq_len), got {T}")
+        x = F.embedding(input_ids, self.embed)
+        return self._run(x, lambda i, attn, h: attn.prefill(h, self.cos, self.sin, None if caches is None else caches[i]),
+                         last_only)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+               caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """tokens [B] at positions [B] (seq_lens = positions + 1, int32) -> logits [B, V]."""
+        x = F.embedding(tokens, self.embed)
+        return self._run(x, lambda i, attn, h: attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i]))
+
+
+# ----------------------------------------------------------------------------- loading helpers
+class TensorSource:
+    """Named tensors of a checkpoint, fetched on demand and converted to the target device/dtype.
+
+    ``get(name, shape)`` checks the shape against what the config implies and names both on a
+    mismatch; ``take`` records use so the loader can report tensors the model did not consume.
+    """
+
+    def __init__(self, names: set[str], fetch, device, dtype):
+        self.names, self._fetch, self.device, self.dtype = set(names), fetch, device, dtype
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def raw(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        t = self._fetch(name)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name}: expected shape {tuple(shape)} from config.json, "
+                             f"got {tuple(t.shape)}")
+        self.used.add(name)
+        return t
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.raw(name, shape)
+        return t.to(device=self.device, dtype=dtype or self.dtype)
+
+
+def missing_error(names: list[str]) -> ValueError:
+    shown = ", ".join(sorted(names)[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return ValueError(f"checkpoint: missing tensor(s) the config requires: {shown}")
+
+
+def make_linear(src: TensorSource, prefix: str, out_features: int, in_features: int, *, fp8: bool,
+                bias: bool = False) -> nn.Module:
+    """A Linear from ``{prefix}.weight`` (and ``.bias``); FP8 when the checkpoint is FP8 (weight +
+    ``weight_scale_inv``) or when ``fp8`` asks to quantize on load."""
+    from ember.loading import fp8_linear
+    w_name = f"{prefix}.weight"
+    if w_name not in src.names:
+        raise missing_error([w_name])
+    b = src.get(f"{prefix}.bias", (out_features,)) if bias else None
+    if src.has(f"{prefix}.weight_scale_inv") or fp8:
+        return fp8_linear(src, prefix, out_features, in_features, bias=b)
+    return Linear(src.get(w_name, (out_features, in_features)), b)
+
+
+def concat_linear(src: TensorSource, prefixes: list[str], outs: list[int], in_features: int, *, fp8: bool,
+                  bias: bool = False) -> nn.Module:
+    """One Linear whose output rows are the concatenation of several checkpoint linears (q,k,v / gate,up)."""
+    from ember.loading import fp8_concat_linear
+    if any(src.has(f"{p}.weight_scale_inv") for p in prefixes) or fp8:
+        return fp8_concat_linear(src, prefixes, outs, in_features, bias=bias)
+    ws = [src.get(f"{p}.weight", (o, in_features)) for p, o in zip(prefixes, outs)]
+    bs = [src.get(f"{p}.bias", (o,)) for p, o in zip(prefixes, outs)] if bias else None
+    return Linear(torch.cat(ws, 0), None if bs is None else torch.cat(bs, 0))
+
+
+def build_attention(src: TensorSource, cfg: AttentionConfig, prefix: str, *, fp8: bool) -> Attention:
+    c = cfg
+    qkv = concat_linear(src, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
+                        [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
+                        c.hidden_size, fp8=fp8, bias=c.attention_bias)
+    o = make_linear(src, f"{prefix}.o_proj", c.hidden_size, c.num_heads * c.head_dim, fp8=fp8, bias=c.attention_bias)
+    return Attention(c, qkv, o, src.get(f"{prefix}.q_norm.weight", (c.head_dim,)),
+                     src.get(f"{prefix}.k_norm.weight", (c.head_dim,)))
+
+
+def build_dense_mlp(src: TensorSource, prefix: str, hidden: int, inter: int, *, fp8: bool) -> DenseMLP:
+    gate_up = concat_linear(src, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], [inter, inter], hidden, fp8=fp8)
+    return DenseMLP(gate_up, make_linear(src, f"{prefix}.down_proj", hidden, inter, fp8=fp8))
+
+
+def build_causal_lm(src: TensorSource, cfg: dict, attn_cfg: AttentionConfig, make_mlp, *, fp8: bool,
+                    max_seq_len: int) -> CausalLM:
+    """The shared skeleton; ``make_mlp(layer_idx, prefix)`` builds each layer's MLP."""
+    H, V = attn_cfg.hidden_size, cfg["vocab_size"]
+    embed = src.get("model.embed_tokens.weight", (V, H))
+    layers = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        layers.append(DecoderLayer(build_attention(src, attn_cfg, f"{p}.self_attn", fp8=fp8),
+                                   make_mlp(i, f"{p}.mlp"),
+                                   src.get(f"{p}.input_layernorm.weight", (H,)),
+                                   src.get(f"{p}.post_attention_layernorm.weight", (H,)), attn_cfg.rms_norm_eps))
+    norm = src.get("model.norm.weight", (H,))
+    if cfg.get("tie_word_embeddings", False) and not src.has("lm_head.weight"):
+        lm_head = Linear(embed)  # shares storage with the embedding
+    else:
+        # The lm_head stays in the model dtype even with --fp8: it is 10% of the bytes and sets the logits.
+        lm_head = Linear(src.get("lm_head.weight", (V, H)))
+    return CausalLM(embed, layers, norm, lm_head, attn_cfg, max_seq_len)
+
+
+def check_positive(cfg: dict, *keys: str) -> None:
+    for k in keys:
+        v = cfg.get(k)
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"config.json: expected a positive integer {k}, got {v!r}")
+
+

@@ -1,0 +1,195 @@
+"""Decode-time attention over a static KV cache, as two ops the engine captures in its CUDA graph.
+
+``qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads=, eps=)``
+    takes one token per row from the fused qkv projection [B, (NH + 2 KVH) * D], applies Qwen3's
+    per-head RMSNorm to q and k, rotates both with RoPE at ``positions`` [B], writes k and v into the
+    caches [B_max, KVH, S, D] at those positions and returns q [B, NH, D]. One launch instead of ~12.
+``decode_attention(q, k_cache, v_cache, seq_lens, scale=)``
+    attends each row's query heads [B, NH, D] over the first ``seq_lens[b]`` cache entries (GQA:
+    NH / KVH query heads share a kv head) and returns [B, NH * D]. The kernel reads only the live
+    part of the cache (split over the sequence, then one combine), so its cost grows with the
+    context actually used, not with max_seq_len.
+
+Both read positions and lengths from device tensors and never sync the host, so they can be
+captured once and replayed per token. Math in float32; outputs in the I/O dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from ember import _dispatch
+from ember.ops import _checks
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------- validation
+def _validate_cache(k_cache, v_cache, dtype):
+    _checks.tensor("k_cache", k_cache, dtypes=_checks.FLOAT_DTYPES, ndim=4)
+    _checks.tensor("v_cache", v_cache, dtypes=_checks.FLOAT_DTYPES, ndim=4)
+    _checks.same_shape(k_cache=k_cache, v_cache=v_cache)
+    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise TypeError(f"k_cache/v_cache: expected dtype {dtype} (the dtype of the activations), got {k_cache.dtype}, {v_cache.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last dimension, got strides {t.stride()}")
+
+
+def _validate_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+    _checks.tensor("qkv", qkv, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    _validate_cache(k_cache, v_cache, qkv.dtype)
+    _, kvh, S, D = k_cache.shape
+    B = qkv.shape[0]
+    if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % kvh:
+        raise ValueError(f"num_heads: expected a positive multiple of the cache's {kvh} kv heads, got {num_heads!r}")
+    if qkv.shape[1] != (num_heads + 2 * kvh) * D:
+        raise ValueError(f"qkv: expected last dim (num_heads + 2 * kv_heads) * head_dim = {(num_heads + 2 * kvh) * D}, "
+                         f"got {qkv.shape[1]}")
+    if B > k_cache.shape[0]:
+        raise ValueError(f"qkv: expected at most {k_cache.shape[0]} rows (the cache's batch), got {B}")
+    if D % 2 or D & (D - 1):
+        raise ValueError(f"k_cache: expected a power-of-two head dim, got {D}")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        _checks.tensor(name, w, dtypes=_checks.FLOAT_DTYPES, ndim=1)
+        if w.shape[0] != D:
+            raise ValueError(f"{name}: expected length {D} (head dim), got {w.shape[0]}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _checks.tensor(name, t, dtypes=(torch.float32,), ndim=2)
+        if t.shape[1] != D // 2 or t.shape[0] < S:
+            raise ValueError(f"{name}: expected shape [>= {S}, {D // 2}], got {tuple(t.shape)}")
+    _checks.tensor("positions", positions, dtypes=_INT_DTYPES, ndim=1)
+    if positions.shape[0] != B:
+        raise ValueError(f"positions: expected length {B} (rows of qkv), got {positions.shape[0]}")
+    _checks.same_device(qkv=qkv, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, positions=positions,
+                        k_cache=k_cache, v_cache=v_cache)
+    return _checks.positive_float("eps", eps)
+
+
+def _validate_attention(q, k_cache, v_cache, seq_lens, scale):
+    _checks.tensor("q", q, dtypes=_checks.FLOAT_DTYPES, ndim=3)
+    _validate_cache(k_cache, v_cache, q.dtype)
+    B, NH, D = q.shape
+    _, kvh, _, Dc = k_cache.shape
+    if D != Dc:
+        raise ValueError(f"q: expected head dim {Dc} (the cache's), got {D}")
+    if NH % kvh:
+        raise ValueError(f"q: expected a multiple of the cache's {kvh} kv heads, got {NH} heads")
+    if B > k_cache.shape[0]:
+        raise ValueError(f"q: expected at most {k_cache.shape[0]} rows (the cache's batch), got {B}")
+    _checks.tensor("seq_lens", seq_lens, dtypes=_INT_DTYPES, ndim=1)
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens: expected length {B} (rows of q), got {seq_lens.shape[0]}")
+    _checks.same_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens)
+    return _checks.positive_float("scale", scale)
+
+
+# ----------------------------------------------------------------------------- references
+def qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+    """Spec: per-head RMSNorm (fp32 math, rounded to the I/O dtype), then RoPE with cos/sin rounded to
+    the I/O dtype (as transformers applies it), k and v written at ``positions``."""
+    B = qkv.shape[0]
+    kvh, D = k_cache.shape[1], k_cache.shape[3]
+    q, k, v = qkv.split([num_heads * D, kvh * D, kvh * D], -1)
+
+    def norm(x, w, heads):
+        xf = x.reshape(B, heads, D).float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(qkv.dtype)
+
+    def rope(x):
+        c, s = cos[positions].to(x.dtype)[:, None], sin[positions].to(x.dtype)[:, None]
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    q, k = rope(norm(q, q_norm, num_heads)), rope(norm(k, k_norm, kvh))
+    rows = torch.arange(B, device=qkv.device)
+    k_cache[rows, :, positions] = k
+    v_cache[rows, :, positions] = v.reshape(B, kvh, D)
+    return q
+
+
+def decode_attention_reference(q, k_cache, v_cache, seq_lens, scale):
+    """Spec: softmax(q k^T * scale) v over cache entries [0, seq_lens[b]) in float32."""
+    B, NH, D = q.shape
+    kvh, S = k_cache.shape[1], k_cache.shape[2]
+    g = NH // kvh
+    qf = q.float().reshape(B, kvh, g, D)
+    k, v = k_cache[:B].float(), v_cache[:B].float()
+    scores = torch.einsum("bhgd,bhsd->bhgs", qf, k) * scale
+    live = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgs,bhsd->bhgd", scores.softmax(-1), v)
+    return out.reshape(B, NH * D).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- implementations
+def _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+    if not _dispatch.use_triton(qkv):
+        return qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+    q = torch.empty(qkv.shape[0], num_heads, k_cache.shape[3], dtype=qkv.dtype, device=qkv.device)
+    _dispatch.kernels("attention").qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q, eps)
+    return q
+
+
+def _attention_impl(q, k_cache, v_cache, seq_lens, scale):
+    if not _dispatch.use_triton(q):
+        return decode_attention_reference(q, k_cache, v_cache, seq_lens, scale)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    _dispatch.kernels("attention").decode_attention(q, k_cache, v_cache, seq_lens, scale, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- registration
+@torch.library.custom_op("ember::qk_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
+def _rope_op(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+             eps: float) -> torch.Tensor:
+    return _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+
+
+@_rope_op.register_fake
+def _(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+    return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
+
+
+@torch.library.custom_op("ember::decode_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    return _attention_impl(q, k_cache, v_cache, seq_lens, scale)
+
+
+@_attention_op.register_fake
+def _(q, k_cache, v_cache, seq_lens, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+# ----------------------------------------------------------------------------- public API
+def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       *, num_heads: int, eps: float = 1e-6) -> torch.Tensor:
+    """Per-head q/k RMSNorm + RoPE + KV-cache write for one decode token per row; returns q [B, NH, D].
+
+    Example:
+        >>> B, NH, KVH, D, S = 1, 4, 2, 16, 32
+        >>> kc, vc = torch.zeros(B, KVH, S, D), torch.zeros(B, KVH, S, D)
+        >>> cos, sin = torch.ones(S, D // 2), torch.zeros(S, D // 2)
+        >>> q = ember.ops.attention.qk_norm_rope_cache(torch.randn(B, (NH + 2 * KVH) * D), torch.ones(D),
+        ...     torch.ones(D), cos, sin, torch.tensor([3]), kc, vc, num_heads=NH)
+    """
+    eps = _validate_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+    if _dispatch.compiling():
+        return _rope_op(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+    return _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     *, scale: float) -> torch.Tensor:
+    """Attention of one query token per row over the first ``seq_lens[b]`` cache entries; [B, NH * D].
+
+    Example:
+        >>> q, kc, vc = torch.randn(1, 4, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+        >>> out = ember.ops.attention.decode_attention(q, kc, vc, torch.tensor([5]), scale=0.25)
+    """
+    scale = _validate_attention(q, k_cache, v_cache, seq_lens, scale)
+    if _dispatch.compiling():
+        return _attention_op(q, k_cache, v_cache, seq_lens, scale)
+    return _attention_impl(q, k_cache, v_cache, seq_lens, scale)

@@ -293,3 +293,164 @@ def test_torch_compile_fullgraph_cpu():
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), f(x))
+
+
+# ====================================================================== kernels through the interpreter
+def _kernel_mm(a, b, sa, sb, bias, out_dtype, config=None):
+    M, K = a.shape
+    N = b.shape[1]
+    out = poisoned((M, N), out_dtype, a.device)
+    got = _dispatch.kernels("fp8").scaled_mm(a, b, sa, fp8._kind_of(sa, "a", M, K, N), sb,
+                                             fp8._kind_of(sb, "b", M, K, N), bias, out_dtype,
+                                             config=config, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    return out
+
+
+@pytest.mark.parametrize("kind_a, kind_b", KINDS)
+@pytest.mark.parametrize("M, K, N", [(1, 100, 64), (17, 257, 129)])
+def test_kernel_matches_float64_interpreter(interpreter, kind_a, kind_b, M, K, N):
+    a, b, sa, sb = make_operands(M, K, N, kind_a, kind_b)
+    bias = torch.randn(N)
+    got = _kernel_mm(a, b, sa, sb, bias, torch.float32)
+    assert rel_frobenius(got, f64_scaled_mm(a, b, sa, sb, bias)) <= 1e-5
+
+
+# split-K with a reduction kernel, the 16-row dot, a 64-row GEMM tile with grouped order
+CONFIGS = [dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, SPLIT_K=3, num_warps=4, num_stages=1, GROUP_M=1),
+           dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=1, GROUP_M=1),
+           dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1, GROUP_M=4)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("kind_a, kind_b", [(None, "row"), ("row", "row"), ("block", "block"), (None, "block")])
+def test_kernel_configs_interpreter(interpreter, config, kind_a, kind_b):
+    out_dtype = torch.float16 if kind_a == "row" else torch.bfloat16
+    M, K, N = (1 if config["BLOCK_M"] == 1 else 20), 520, 100
+    a, b, sa, sb = make_operands(M, K, N, kind_a, kind_b, b_col_major=config["GROUP_M"] == 1)
+    bias = torch.randn(N).to(torch.bfloat16)
+    got = _kernel_mm(a, b, sa, sb, bias, out_dtype, config)
+    exp = fp8.scaled_mm_reference(a, b, sa, sb, bias, out_dtype)
+    # fp32 sums in another order, then one rounding to out_dtype: at most one ulp apart
+    torch.testing.assert_close(got.float(), exp.float(), atol=1e-3, rtol=8e-3 if out_dtype == torch.bfloat16 else 1e-3)
+    assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
+
+
+def test_kernel_weight_only_fp32_and_fp16_a_interpreter(interpreter):
+    for dtype in (torch.float32, torch.float16):
+        a, b, _, sb = make_operands(5, 200, 48, None, "row")
+        a = a.to(dtype)
+        got = _kernel_mm(a, b, None, sb, None, torch.float32)
+        assert rel_frobenius(got, f64_scaled_mm(a, b, None, sb)) <= 1e-5
+
+
+@pytest.mark.parametrize("granularity, block_size", [("row", (128, 128)), ("block", (1, 128)), ("block", (1, 64))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_kernel_bit_exact_interpreter(interpreter, granularity, block_size, dtype):
+    x = torch.randn(6, 300) * 40
+    x[0] = 0.0
+    x[1, 3] = float("nan")
+    x[2, 4] = float("inf")
+    x[2, 5] = -float("inf")
+    x[3, :20] = torch.tensor([2.0 ** -10, 3 * 2.0 ** -10, 1.5 * 2.0 ** -9, 0.0146484375] * 5)  # subnormal ties
+    x[3, 20] = 0.25
+    x = x.to(dtype)
+    q, s = _dispatch.kernels("fp8").quantize(x, granularity, block_size)
+    q_ref, s_ref = fp8.quantize_fp8_reference(x, granularity, block_size)
+    assert torch.equal(s, s_ref)
+    assert_same_fp8(q, q_ref)
+
+
+def assert_same_fp8(q, q_ref):
+    """Bit-identical bytes, except that any NaN pattern (0x7F or 0xFF) matches any other."""
+    nan, nan_ref = torch.isnan(q.float()), torch.isnan(q_ref.float())
+    assert torch.equal(nan, nan_ref)
+    assert torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan_ref])
+
+
+def test_public_ops_take_kernels_under_force_triton(interpreter, monkeypatch):
+    calls = []
+    real = _dispatch.kernels
+    monkeypatch.setattr(_dispatch, "kernels", lambda fam: calls.append(fam) or real(fam))
+    x, w = torch.randn(3, 256), torch.randn(64, 256)
+    qx, sx = ember.ops.quantize_fp8(x, "row")
+    qw, sw = ember.ops.quantize_fp8(w, "row")  # weights: reference path, no kernel call for 'tensor'/'block'
+    y = ember.ops.scaled_mm(qx, qw.t(), sx, sw.t(), out_dtype=torch.float32)
+    assert calls == ["fp8", "fp8", "fp8"]
+    assert rel_frobenius(y, f64_scaled_mm(qx, qw.t(), sx, sw.t())) <= 1e-5
+
+
+# ====================================================================== GPU
+ODD_MKN = [(1, 64, 100), (3, 100, 768), (16, 2048, 4100), (17, 4100, 64), (255, 768, 2048), (1, 4100, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind_a, kind_b", KINDS)
+@pytest.mark.parametrize("M, K, N", ODD_MKN)
+def test_gpu_matches_float64(cuda, kind_a, kind_b, M, K, N):
+    a, b, sa, sb = make_operands(M, K, N, kind_a, kind_b, device=cuda)
+    bias = torch.randn(N, device=cuda)
+    got = _kernel_mm(a, b, sa, sb, bias, torch.float32)
+    exp = f64_scaled_mm(a, b, sa, sb, bias)
+    assert rel_frobenius(got, exp) <= 1e-5
+    got16 = ember.ops.scaled_mm(a, b, sa, sb, bias=bias.bfloat16())
+    assert snr_db(got16, exp) >= 40
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 255, 4096])
+@pytest.mark.parametrize("kind", ["tensor", "row"])
+@pytest.mark.parametrize("K, N", [(768, 2048), (2048, 1536), (4096, 4096)])
+def test_gpu_parity_with_torch_scaled_mm(cuda, M, kind, K, N):
+    a, b, sa, sb = make_operands(M, K, N, kind, kind, device=cuda)
+    if kind == "tensor":
+        sb = sb.reshape(())
+        sa = sa.reshape(())
+    bias = torch.randn(N, device=cuda).bfloat16()
+    ours = ember.ops.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+    theirs = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=torch.bfloat16)
+    exp = f64_scaled_mm(a, b, sa, sb, bias)
+    assert snr_db(ours, exp) >= 40 and snr_db(theirs, exp) >= 40
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=1.6e-2)  # 2 bf16 ulps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity, block_size", [("row", (128, 128)), ("block", (1, 128))])
+def test_gpu_quantize_kernel_bit_exact(cuda, granularity, block_size):
+    x = torch.randn(37, 4100, device=cuda) * 30
+    x[0] = 0
+    x[1, 1] = float("nan")
+    x[2, 2] = float("inf")
+    q, s = ember.ops.quantize_fp8(x, granularity, block_size)
+    q_ref, s_ref = fp8.quantize_fp8_reference(x.cpu(), granularity, block_size)
+    assert torch.equal(s.cpu(), s_ref)
+    assert_same_fp8(q.cpu(), q_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_nan_and_saturation(cuda):
+    x = torch.tensor([[600.0, -600.0, 1.0, float("nan")]], device=cuda)
+    q, s = ember.ops.quantize_fp8(x, "row")
+    assert q.float()[0, :3].tolist() == [448.0, -448.0, 0.75] and torch.isnan(q.float()[0, 3])
+    assert fp8.saturating_cast(torch.tensor([600.0, -1e9], device=cuda)).float().tolist() == [448.0, -448.0]
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph_and_cuda_graph(cuda):
+    w = torch.randn(2048, 768, device=cuda)
+    qw, sw = ember.ops.quantize_fp8(w, "block")
+    x = torch.randn(4, 768, device=cuda, dtype=torch.bfloat16)
+
+    def f(x):
+        qx, sx = ember.ops.quantize_fp8(x, "block", (1, 128))
+        return ember.ops.scaled_mm(qx, qw.t(), sx, sw.t()) + ember.ops.scaled_mm(x, qw.t(), None, sw.t())
+
+    exp = f(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), exp, atol=0, rtol=0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = f(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, f(x), atol=0, rtol=0)

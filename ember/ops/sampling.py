@@ -69,10 +69,10 @@ class SamplingParams:
 # ----------------------------------------------------------------------------- validation
 _RANGES = {
     # name: (test, text)
-    "temperature": (lambda v: v >= 0 and v != float("inf"), "a finite value >= 0"),
+    "temperature": (lambda v: (v >= 0) & (v != float("inf")), "a finite value >= 0"),
     "top_k": (lambda v: v >= 0, "an int >= 0"),
-    "top_p": (lambda v: 0 < v <= 1, "a value in (0, 1]"),
-    "min_p": (lambda v: 0 <= v < 1, "a value in [0, 1)"),
+    "top_p": (lambda v: (v > 0) & (v <= 1), "a value in (0, 1]"),
+    "min_p": (lambda v: (v >= 0) & (v < 1), "a value in [0, 1)"),
 }
 
 
@@ -387,14 +387,15 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     from ``generator`` (or torch's default) on the device.
 
     ``check=True`` validates values that need a device sync (NaN / +inf logits, all -inf rows,
-    per-row parameter ranges); it is skipped automatically during CUDA-graph capture, and
-    ``check=False`` skips it always. Scalar parameters and shapes are always checked.
+    per-row parameter ranges); it is skipped automatically during CUDA-graph capture and under
+    torch.compile, and ``check=False`` skips it always. Scalar parameters and shapes are always checked.
 
     Example:
         >>> seed, offset = torch.tensor([1234]), torch.zeros(1, dtype=torch.int64)
         >>> tokens = ember.ops.sample(torch.randn(4, 32000), temperature=0.7, top_k=50, top_p=0.9,
         ...                           seed=seed, offset=offset)
     """
+    check = check and not _dispatch.compiling()  # value checks are data-dependent: not traceable
     _validate_logits(logits, check)
     B, dev = logits.shape[0], logits.device
     temperature = _row_param("temperature", temperature, B, dev, check)

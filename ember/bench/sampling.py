@@ -1,0 +1,107 @@
+"""``ember bench sampling``: softmax, argmax and fused sampling against torch, in the same run.
+
+Floors (H200: 4.15 TB/s copy bandwidth, ~2-3 us per dependent kernel launch inside a graph):
+  * [1, 128256] fp32 is 513 KB: 0.12 us of HBM time, so one row is pure latency. softmax reads it
+    twice (stats, normalise) and writes it once; argmax reads it once. Two small launches ~ 3 us.
+  * [256, 128256] fp32 softmax moves 131 MB in + 131 MB out = 263 MB -> 63 us at copy bandwidth
+    (the split kernel re-reads the input; the second read hits L2 for the rows read last).
+  * sample [1, 128256]: two launches over 513 KB plus a sort of <= 512 candidates in one program.
+"""
+from __future__ import annotations
+
+import torch
+
+import ember
+from ember.bench import BenchContext, Row, _timing
+
+COPY_BW_GBPS = 4155.0
+VOCAB = 128256
+
+
+def hf_sample(logits, temperature=0.7, top_k=50, top_p=0.9):
+    """What transformers' logits warpers + multinomial do: temperature, top-k, sort, cumsum, scatter."""
+    scores = logits / temperature
+    kth = torch.topk(scores, top_k)[0][..., -1, None]
+    scores = scores.masked_fill(scores < kth, -float("inf"))
+    sorted_logits, sorted_idx = torch.sort(scores, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cum <= (1 - top_p)
+    remove_sorted[..., -1:] = 0
+    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+    scores = scores.masked_fill(remove, -float("inf"))
+    return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+
+
+def _time(ctx, calls) -> tuple[float, str]:
+    """Graph-timed when the calls capture; event-timed otherwise (said in the row)."""
+    if not ctx.on_gpu:
+        return ctx.time_us(calls), "host"
+    try:
+        return ctx.time_us(calls), "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return _timing.event_time_us(calls), "events"
+
+
+def _sets(ctx, shape):
+    n = 1
+    for s in shape:
+        n *= s
+    count = _timing.copies_to_exceed_l2(4 * n) if ctx.on_gpu else 2
+    return [torch.randn(shape, device=ctx.device) * 3 for _ in range(count)]
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    V = VOCAB if not ctx.quick else 4096
+    big = 256 if not ctx.quick else 8
+    rows = []
+
+    ctx.progress("softmax 1 row")
+    data = _sets(ctx, (1, V))
+    e, _ = _time(ctx, [lambda x=x: ember.ops.softmax(x) for x in data])
+    b, _ = _time(ctx, [lambda x=x: torch.softmax(x, -1) for x in data])
+    rows.append(Row(f"softmax_1x{V}_fp32", "us", e, b, "torch.softmax", target="<= 4 us and >= 8x torch.softmax",
+                    meets=e <= 4.0 and b / e >= 8.0))
+    e, _ = _time(ctx, [lambda x=x: ember.ops.log_softmax(x) for x in data])
+    b, _ = _time(ctx, [lambda x=x: torch.log_softmax(x, -1) for x in data])
+    rows.append(Row(f"log_softmax_1x{V}_fp32", "us", e, b, "torch.log_softmax", target="informational"))
+
+    ctx.progress("argmax 1 row")
+    e, _ = _time(ctx, [lambda x=x: ember.ops.argmax(x) for x in data])
+    b, _ = _time(ctx, [lambda x=x: torch.argmax(x, -1) for x in data])
+    rows.append(Row(f"argmax_1x{V}_fp32", "us", e, b, "torch.argmax", target="<= 4 us", meets=e <= 4.0))
+
+    ctx.progress("sample 1 row")
+    seed = torch.tensor([1234], device=ctx.device)
+    offset = torch.zeros(1, dtype=torch.int64, device=ctx.device)
+    kw = dict(temperature=0.7, top_k=50, top_p=0.9)
+    e, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, **kw, seed=seed, offset=offset, check=False) for x in data])
+    b, how = _time(ctx, [lambda x=x: hf_sample(x) for x in data])
+    rows.append(Row(f"sample_t0.7_k50_p0.9_1x{V}", "us", e, b, f"HF-style torch pipeline ({how}-timed)",
+                    target="<= 15 us and >= 50x the HF-style pipeline", meets=e <= 15.0 and b / e >= 50.0))
+    e, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, temperature=0.7, seed=seed, offset=offset, check=False)
+                       for x in data])
+    b, how = _time(ctx, [lambda x=x: torch.multinomial(torch.softmax(x / 0.7, -1), 1) for x in data])
+    rows.append(Row(f"sample_t0.7_1x{V}", "us", e, b, f"torch softmax + multinomial ({how}-timed)",
+                    target="informational"))
+    del data
+
+    ctx.progress("batch rows")
+    data = _sets(ctx, (big, V))
+    e, _ = _time(ctx, [lambda x=x: ember.ops.softmax(x) for x in data])
+    b, _ = _time(ctx, [lambda x=x: torch.softmax(x, -1) for x in data])
+    nbytes = 2 * 4 * big * V
+    ge, gb = nbytes / e / 1e3, nbytes / b / 1e3
+    rows.append(Row(f"softmax_{big}x{V}_fp32", "GB/s", ge, gb, "torch.softmax",
+                    target=">= 80% of 4155 GB/s copy bandwidth", meets=ge >= 0.8 * COPY_BW_GBPS,
+                    extra={"ember_us": e, "baseline_us": b, "fraction_of_copy_bw": ge / COPY_BW_GBPS}))
+    e, _ = _time(ctx, [lambda x=x: ember.ops.argmax(x) for x in data])
+    b, _ = _time(ctx, [lambda x=x: torch.argmax(x, -1) for x in data])
+    rows.append(Row(f"argmax_{big}x{V}_fp32", "us", e, b, "torch.argmax", target="informational"))
+    bs = 64 if not ctx.quick else 4
+    small = [x[:bs] for x in data]
+    e, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, **kw, seed=seed, offset=offset, check=False) for x in small])
+    b, how = _time(ctx, [lambda x=x: hf_sample(x) for x in small])
+    rows.append(Row(f"sample_t0.7_k50_p0.9_{bs}x{V}", "us", e, b, f"HF-style torch pipeline ({how}-timed)",
+                    target="informational"))
+    return rows

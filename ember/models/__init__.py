@@ -14,6 +14,8 @@ import importlib
 SUPPORTED = {
     "qwen3": "ember.models.qwen3",
     "qwen3_moe": "ember.models.qwen3_moe",
+    "lfm2_moe": "ember.models.lfm2_moe",
+    "qwen3_5_moe": "ember.models.qwen3_5_moe", "qwen3_5_moe_text": "ember.models.qwen3_5_moe",
 }
 
 

@@ -60,11 +60,11 @@ def _pack(key, idx):
 
 
 @triton.jit
-def _row_param(ptr, scalar, row, PER_ROW: tl.constexpr):
+def _row_param(ptr, scalar, row, dtype: tl.constexpr, PER_ROW: tl.constexpr):
     if PER_ROW:
-        return tl.load(ptr + row)
+        return tl.load(ptr + row).to(dtype)
     else:
-        return tl.to_tensor(scalar)  # an int arg equal to 1 arrives as a constexpr
+        return tl.cast(scalar, dtype)  # tl.cast takes a Python number (interpreter) or a scalar tensor
 
 
 @triton.jit
@@ -108,7 +108,9 @@ def _argmax_row_kernel(x_ptr, out_ptr, stride_x, V, BLOCK: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- split rows, launch 1
-@triton.jit
+# Scalar args listed in do_not_specialize stay tensors even when an int equals 1 (Triton would
+# otherwise turn it into a constexpr with no .to()).
+@triton.jit(do_not_specialize=["t_scalar", "offset_scalar"])
 def _chunk_stats_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr,
                         t_ptr, t_scalar,
                         cnt_ptr, best_ptr, offset_ptr, offset_scalar, off_out_ptr,
@@ -121,7 +123,7 @@ def _chunk_stats_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr,
     """
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    t = _row_param(t_ptr, t_scalar, row, T_PER_ROW).to(tl.float32)
+    t = _row_param(t_ptr, t_scalar, row, tl.float32, T_PER_ROW)
     t = tl.where(t == 0.0, 1.0, t)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     mask = cols < V
@@ -138,13 +140,13 @@ def _chunk_stats_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr,
             # counters for launch 2: done programs, candidate count, best packed race key
             tl.store(cnt_ptr + row * 2, 0)
             tl.store(cnt_ptr + row * 2 + 1, 0)
-            tl.store(best_ptr + row, tl.to_tensor(INT64_MIN).to(tl.int64))
+            tl.store(best_ptr + row, row * 0 + INT64_MIN)
             if row == 0:
                 if OFFSET_TENSOR:
                     off = tl.load(offset_ptr)
                     tl.store(offset_ptr, off + 1)
                 else:
-                    off = tl.to_tensor(offset_scalar).to(tl.int64)
+                    off = tl.cast(offset_scalar, tl.int64)
                 tl.store(off_out_ptr, off)
 
 
@@ -240,7 +242,7 @@ def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, o
     return tl.sum(tl.where(tl.arange(0, BLOCK) == w, best_idx, 0), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar"])
 def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                    t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
                    seed_ptr, seed_scalar, off_ptr, cnt_ptr, best_ptr, cand_z_ptr, cand_i_ptr,
@@ -250,17 +252,17 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                    FALLBACK_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    t = _row_param(t_ptr, t_scalar, row, T_PER_ROW).to(tl.float32)
+    t = _row_param(t_ptr, t_scalar, row, tl.float32, T_PER_ROW)
     M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB)
     if t == 0.0:  # greedy row: the first index of the max logit
         if c == 0:
             tl.store(out_ptr + row, first_max.to(tl.int64))
     else:
-        k = _row_param(k_ptr, k_scalar, row, K_PER_ROW).to(tl.int32)
-        p = _row_param(p_ptr, p_scalar, row, P_PER_ROW).to(tl.float32)
-        minp = _row_param(mp_ptr, mp_scalar, row, MP_PER_ROW).to(tl.float32)
+        k = _row_param(k_ptr, k_scalar, row, tl.int32, K_PER_ROW)
+        p = _row_param(p_ptr, p_scalar, row, tl.float32, P_PER_ROW)
+        minp = _row_param(mp_ptr, mp_scalar, row, tl.float32, MP_PER_ROW)
         if SEED_MODE == 0:
-            seed = tl.to_tensor(seed_scalar).to(tl.int64)
+            seed = tl.cast(seed_scalar, tl.int64)
         elif SEED_MODE == 1:
             seed = tl.load(seed_ptr).to(tl.int64)
         else:

@@ -1,0 +1,281 @@
+"""``ember.vae.decode``: tiled, low-memory decode for diffusers' Wan-family video VAEs.
+
+Tiles follow diffusers' ``tiled_decode`` exactly (same tile origins, the same linear cross-fade of a
+tile's top rows with the tile above and its left columns with the tile to the left, same crops), so
+with the same tile settings the result matches diffusers' to rounding. What differs is the work:
+each tile is streamed latent frame by latent frame through ``StreamDecoder`` (no padded copies,
+channels-last), and each decoded chunk is blended against thin strips kept from its neighbours and
+written straight into the output, instead of keeping every decoded tile until the end. Peak memory
+is one tile's conv histories and activations plus the output.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ember.vae._stream import StreamDecoder, is_causal_conv, to_channels_last
+
+SUPPORTED = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
+# Auto tiling: at most this many bytes of conv history (2 frames per causal conv) per tile. 0.4 GB
+# keeps Wan2.2 at 704x1280 in 2x2 tiles and Wan2.1 at 480x832 in 2x2 tiles (see ember/bench/vae.py).
+AUTO_HISTORY_BYTES = 0.4e9
+AUTO_OVERLAP_LATENT = 4  # latent pixels of overlap between auto tiles
+
+
+# ----------------------------------------------------------------------------- the VAE
+class VaeSpec:
+    """What decode needs to know about a supported VAE, read from the module itself."""
+
+    def __init__(self, vae):
+        name = type(vae).__name__
+        if name not in SUPPORTED or not hasattr(vae, "decoder") or not hasattr(vae, "post_quant_conv"):
+            raise TypeError(f"vae: expected a diffusers {' or '.join(SUPPORTED)}, got {name}")
+        self.vae = vae
+        self.z_dim = vae.post_quant_conv.in_channels
+        self.patch = getattr(vae.config, "patch_size", None) or 1
+        self.comp = int(vae.spatial_compression_ratio)  # latent px -> sample px
+        self.comp_out = self.comp // self.patch  # latent px -> decoder output px
+        dec = vae.decoder
+        self.time_up = 2 ** sum(1 for m in dec.modules() if getattr(m, "mode", None) == "upsample3d")
+        p = next(vae.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.radius = _receptive_radius(dec)
+
+    def frames(self, latent_frames: int) -> int:
+        return 1 + self.time_up * (latent_frames - 1)
+
+
+def _receptive_radius(dec) -> float:
+    """Spatial receptive radius of the decoder in latent pixels (each kxk conv adds (k-1)/2 at its scale)."""
+    radius, scale = 0.0, 1
+    for m in dec.modules():
+        if isinstance(m, torch.nn.Upsample):  # the Conv2d after it runs at the doubled scale
+            scale *= 2
+        elif is_causal_conv(m) or isinstance(m, torch.nn.Conv2d):
+            radius += (m.kernel_size[-1] - 1) / 2 / scale
+    return radius
+
+
+def _history_bytes_per_latent_px(dec, elem: int) -> float:
+    """Bytes of conv history (2 frames per causal conv) per latent pixel of a tile."""
+    total, scale = 0.0, 1
+    for m in dec.modules():
+        if isinstance(m, torch.nn.Upsample):
+            scale *= 2
+        elif is_causal_conv(m) and m._padding[4] > 0:
+            total += m._padding[4] * m.in_channels * elem * scale * scale
+    return total
+
+
+# ----------------------------------------------------------------------------- validation
+def _pair(name: str, v) -> tuple[int, int]:
+    if isinstance(v, bool) or not isinstance(v, (int, tuple, list)):
+        raise TypeError(f"{name}: expected an int or an (height, width) pair of ints, got {type(v).__name__}")
+    pair = (v, v) if isinstance(v, int) else tuple(v)
+    if len(pair) != 2 or any(isinstance(p, bool) or not isinstance(p, int) for p in pair):
+        raise TypeError(f"{name}: expected an int or an (height, width) pair of ints, got {v!r}")
+    return pair
+
+
+def _validate_latents(spec: VaeSpec, z) -> None:
+    if not isinstance(z, torch.Tensor):
+        raise TypeError(f"latents: expected a torch.Tensor, got {type(z).__name__}")
+    if z.dim() != 5:
+        raise ValueError(f"latents: expected a 5-d tensor [batch, {spec.z_dim}, frames, height, width], "
+                         f"got shape {tuple(z.shape)}")
+    if z.shape[1] != spec.z_dim:
+        raise ValueError(f"latents: expected {spec.z_dim} channels (the VAE's z_dim) in dim 1, got shape {tuple(z.shape)}")
+    if z.shape[2] < 1:
+        raise ValueError(f"latents: expected at least 1 latent frame (a video of 1 + "
+                         f"{spec.time_up}k frames decodes from k + 1), got {z.shape[2]}")
+    if z.shape[0] < 1 or z.shape[3] < 1 or z.shape[4] < 1:
+        raise ValueError(f"latents: expected non-empty batch, height and width, got shape {tuple(z.shape)}")
+    if z.dtype != spec.dtype:
+        raise TypeError(f"latents: expected dtype {spec.dtype} (the VAE's), got {z.dtype}")
+    if z.device != spec.device:
+        raise ValueError(f"latents: expected device {spec.device} (the VAE's), got {z.device}")
+
+
+def _validate_tiles(spec: VaeSpec, tile, overlap):
+    """(tile_h, tile_w, overlap_h, overlap_w) in sample pixels."""
+    th, tw = _pair("tile", tile)
+    oh, ow = _pair("overlap", overlap if overlap is not None else (th // 4 // spec.comp * spec.comp,
+                                                                  tw // 4 // spec.comp * spec.comp))
+    min_tile = math.ceil(spec.radius) * spec.comp
+    for name, t in (("tile", th), ("tile", tw)):
+        if t % spec.comp:
+            raise ValueError(f"{name}: expected a multiple of the spatial compression factor {spec.comp}, got {t}")
+        if t < min_tile:
+            raise ValueError(f"{name}: expected at least {min_tile} px (the decoder's receptive radius, "
+                             f"{spec.radius:.1f} latent px x {spec.comp}), got {t}")
+    for t, o in ((th, oh), (tw, ow)):
+        if o % spec.comp:
+            raise ValueError(f"overlap: expected a multiple of the spatial compression factor {spec.comp}, got {o}")
+        if not 0 <= o <= t // 2:
+            raise ValueError(f"overlap: expected 0 <= overlap <= tile / 2 = {t // 2}, got {o}")
+    return th, tw, oh, ow
+
+
+def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int):
+    """Tile settings that bound each tile's conv history to AUTO_HISTORY_BYTES, fewest tiles first."""
+    per_px = _history_bytes_per_latent_px(spec.vae.decoder, torch.empty((), dtype=spec.dtype).element_size())
+    if h_lat * w_lat * per_px <= AUTO_HISTORY_BYTES:
+        return None
+    ov = AUTO_OVERLAP_LATENT
+    best = None
+    for nh in range(1, h_lat + 1):
+        for nw in range(1, w_lat + 1):
+            th = math.ceil((h_lat + (nh - 1) * ov) / nh) if nh > 1 else h_lat
+            tw = math.ceil((w_lat + (nw - 1) * ov) / nw) if nw > 1 else w_lat
+            if th * tw * per_px > AUTO_HISTORY_BYTES or min(th, tw) < math.ceil(spec.radius):
+                continue
+            work = nh * nw * th * tw
+            if best is None or work < best[0]:
+                best = (work, th, tw)
+        if best is not None and nh > 4:
+            break
+    if best is None:
+        t = max(math.ceil(spec.radius), int(math.sqrt(AUTO_HISTORY_BYTES / per_px)))
+        best = (0, t, t)
+    _, th, tw = best
+    c = spec.comp
+    return (th * c, tw * c), (min(ov, th // 2) * c if th < h_lat else 0, min(ov, tw // 2) * c if tw < w_lat else 0)
+
+
+# ----------------------------------------------------------------------------- tiling
+class _Axis:
+    """Tile origins and sizes along one axis, in latent and decoder-output pixels (diffusers' rules)."""
+
+    def __init__(self, n_lat: int, tile_s: int, overlap_s: int, spec: VaeSpec, tiled: bool):
+        if not tiled:
+            self.starts, self.tile_lat, self.stride_o, self.blend_o = [0], n_lat, n_lat * spec.comp_out, 0
+            return
+        stride_s = tile_s - overlap_s
+        self.tile_lat, stride_lat = tile_s // spec.comp, stride_s // spec.comp
+        self.stride_o = stride_s // spec.patch
+        self.blend_o = tile_s // spec.patch - self.stride_o
+        self.starts = list(range(0, n_lat, stride_lat))
+
+
+def _blend_weights(n: int, device) -> torch.Tensor:
+    return torch.arange(n, device=device, dtype=torch.float32) / n
+
+
+def _unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    """diffusers' unpatchify: channel (c, col offset q, row offset r) -> pixel (row*p + r, col*p + q)."""
+    if p == 1:
+        return x
+    b, cpp, f, h, w = x.shape
+    c = cpp // (p * p)
+    return x.view(b, c, p, p, f, h, w).permute(0, 1, 4, 5, 3, 6, 2).reshape(b, c, f, h * p, w * p)
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled or total < 8:
+        return None
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    except ImportError:
+        return None
+    bar = Progress(TextColumn("VAE decode"), BarColumn(), TextColumn("{task.completed}/{task.total} tile-frames"),
+                   TimeRemainingColumn(), transient=True)
+    bar.start()
+    bar.add_task("decode", total=total)
+    return bar
+
+
+@torch.no_grad()
+def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, progress: bool = True) -> torch.Tensor:
+    """Decode video latents with a diffusers AutoencoderKLWan / AutoencoderKLQwenImage, in tiles.
+
+    ``tile`` / ``overlap`` are in sample (output) pixels, an int or an (height, width) pair, like
+    diffusers' ``enable_tiling(tile_sample_min_*, tile_sample_stride_* = tile - overlap)``; with the
+    same settings the output matches diffusers' decode. ``tile=None`` picks tiles that bound memory
+    (untiled when small); ``tile=False`` never tiles. ``overlap=None`` is a quarter of the tile.
+    Returns the clamped video [B, C, 1 + 4 * (frames - 1), H, W] in the VAE's dtype. Conv weights are
+    given the channels-last layout in place on first use (same parameters, same values).
+
+    Example:
+        >>> vae = AutoencoderKLWan().to("cuda", torch.bfloat16)
+        >>> video = ember.vae.decode(vae, latents, tile=(384, 672), overlap=32)
+    """
+    spec = VaeSpec(vae)
+    _validate_latents(spec, latents)
+    B, _, T, h_lat, w_lat = latents.shape
+    if tile is None:
+        auto = auto_tile(spec, h_lat, w_lat)
+        tile, overlap = auto if auto is not None else (False, None)
+    if tile is False:
+        tiled, th, tw, oh, ow = False, 0, 0, 0, 0
+    else:
+        th, tw, oh, ow = _validate_tiles(spec, tile, overlap)
+        tiled = w_lat > tw // spec.comp or h_lat > th // spec.comp  # diffusers' condition
+    rows = _Axis(h_lat, th, oh, spec, tiled)
+    cols = _Axis(w_lat, tw, ow, spec, tiled)
+    to_channels_last(vae.decoder)
+    to_channels_last(vae.post_quant_conv)
+
+    H_o, W_o = h_lat * spec.comp_out, w_lat * spec.comp_out  # decoder-output (patch) space
+    F_out = spec.frames(T)
+    out_channels = vae.decoder.conv_out.out_channels // (spec.patch * spec.patch)
+    out = torch.empty((B, out_channels, F_out, H_o * spec.patch, W_o * spec.patch), dtype=spec.dtype,
+                      device=spec.device)
+    # diffusers 0.42.1 clamps to [-1, 1] everywhere except in AutoencoderKLQwenImage.tiled_decode;
+    # we follow it so that equal settings give equal results.
+    clamp = not (tiled and type(vae).__name__ == "AutoencoderKLQwenImage")
+    stream = StreamDecoder(vae.decoder)
+    pq = vae.post_quant_conv
+    bottom: dict[int, torch.Tensor] = {}  # column -> bottom strip of the tile above (all frames)
+    bar = _progress_bar(len(rows.starts) * len(cols.starts) * T, progress)
+    try:
+        for ri, i in enumerate(rows.starts):
+            right = None  # right strip of the tile to the left
+            for ci, j in enumerate(cols.starts):
+                stream.reset()
+                above = bottom.get(ci) if ri > 0 else None
+                new_bottom = new_right = None
+                f0 = 0
+                for k in range(T):
+                    zt = latents[:, :, k:k + 1, i:i + rows.tile_lat, j:j + cols.tile_lat]
+                    zt = torch.nn.functional.conv3d(zt, pq.weight, pq.bias)
+                    t = stream.step(zt, first=(k == 0))
+                    f1 = f0 + t.shape[2]
+                    th_o, tw_o = t.shape[3], t.shape[4]
+                    if above is not None:
+                        be = min(above.shape[3], th_o, rows.blend_o)
+                        if be > 0:
+                            w = _blend_weights(be, t.device).view(1, 1, 1, be, 1)
+                            a = above[:, :, f0:f1, -be:]
+                            t[:, :, :, :be] = (a.float() * (1 - w) + t[:, :, :, :be].float() * w).to(t.dtype)
+                    if right is not None:
+                        be = min(right.shape[4], tw_o, cols.blend_o)
+                        if be > 0:
+                            w = _blend_weights(be, t.device).view(1, 1, 1, 1, be)
+                            a = right[:, :, f0:f1, :, -be:]
+                            t[:, :, :, :, :be] = (a.float() * (1 - w) + t[:, :, :, :, :be].float() * w).to(t.dtype)
+                    if tiled:  # keep what the neighbours below and to the right will blend with
+                        if new_bottom is None:
+                            nb, nr = min(th_o, rows.blend_o), min(tw_o, cols.blend_o)
+                            new_bottom = t.new_empty((B, t.shape[1], F_out, nb, tw_o))
+                            new_right = t.new_empty((B, t.shape[1], F_out, th_o, nr))
+                        new_bottom[:, :, f0:f1] = t[:, :, :, th_o - new_bottom.shape[3]:]
+                        new_right[:, :, f0:f1] = t[:, :, :, :, tw_o - new_right.shape[4]:]
+                    crop = t[:, :, :, :rows.stride_o, :cols.stride_o]
+                    r0, c0 = ri * rows.stride_o, ci * cols.stride_o
+                    crop = crop[:, :, :, :H_o - r0, :W_o - c0]
+                    p = spec.patch
+                    crop = _unpatchify(crop, p)
+                    out[:, :, f0:f1, r0 * p:r0 * p + crop.shape[3], c0 * p:c0 * p + crop.shape[4]] = \
+                        crop.clamp(-1.0, 1.0) if clamp else crop
+                    f0 = f1
+                    del t, crop
+                    if bar is not None:
+                        bar.advance(bar.task_ids[0])
+                bottom[ci] = new_bottom
+                right = new_right
+    finally:
+        if bar is not None:
+            bar.stop()
+        stream.reset()
+    return out

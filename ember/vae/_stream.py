@@ -1,0 +1,203 @@
+"""A causal, chunk-by-chunk run of a diffusers Wan-family decoder on its own weights.
+
+diffusers' Wan decoder (AutoencoderKLWan, AutoencoderKLQwenImage) decodes one latent frame at a time
+and keeps, per causal Conv3d, the last two input frames in a cache. Each conv then runs
+``torch.cat([cache, x])`` and ``F.pad`` (time in front, H and W on both sides): two full copies of
+every conv input, the padded one larger than the activation. Here, per conv:
+
+* the spatial zero padding is the convolution's own ``padding`` argument: cuDNN reads the border
+  implicitly, nothing is materialised;
+* the conv input is one buffer ``[history (2 frames) | new frames]``; the producer of the new frames
+  (RMS norm + SiLU) writes straight into it, the history is a 2-frame copy in and out (the stream's
+  zero start is a zeroed history, exactly diffusers' zero padding in time);
+* activations stay channels-last 3D (NDHWC) so cuDNN runs its native tensor-core layout and the
+  per-frame 2D ops (upsampling, attention) reshape without copies.
+
+The semantics match diffusers' feature cache chunk for chunk (including the ``Rep`` start of the
+temporal upsampler's conv, which skips the first chunk), so outputs agree to rounding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import ember
+
+CL3 = torch.channels_last_3d
+
+
+def is_causal_conv(m) -> bool:
+    return isinstance(m, torch.nn.Conv3d) and hasattr(m, "_padding")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """[..., C] rows over the channel dim of a [B, C, *spatial] tensor, when that is a view."""
+    xr = x.movedim(1, -1)
+    if xr.stride(-1) != 1:
+        return None
+    try:
+        return xr.view(-1, xr.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``WanRMS_norm`` (channel-first): x / ||x||_C * sqrt(C) * gamma + bias.
+
+    ``x * rsqrt(mean(x^2))`` is the same quantity; ember's fused RMSNorm computes it in fp32 over
+    channels-last rows (one pass, no fp32 copy of the activation as F.normalize(x.float()) makes).
+    """
+    C = x.shape[1]
+    gamma = norm.gamma.reshape(C)
+    rows = _rows(x)
+    if rows is not None:
+        # eps far below any non-degenerate mean(x^2), where diffusers clamps ||x|| at 1e-12
+        y = ember.ops.rmsnorm(rows, gamma, eps=1e-24).view(x.movedim(1, -1).shape).movedim(-1, 1)
+    else:
+        y = (F.normalize(x.float(), dim=1) * norm.scale * gamma.float().view(C, *[1] * (x.dim() - 2))).to(x.dtype)
+    if isinstance(norm.bias, torch.Tensor):
+        y = y + norm.bias.reshape(C, *[1] * (x.dim() - 2))
+    return y
+
+
+class StreamDecoder:
+    """Runs ``vae.decoder`` on one spatial tile, latent frame by latent frame.
+
+    Example:
+        >>> s = StreamDecoder(vae.decoder)
+        >>> s.reset()
+        >>> frames = [s.step(z[:, :, k:k + 1], first=(k == 0)) for k in range(z.shape[2])]
+    """
+
+    def __init__(self, decoder: torch.nn.Module):
+        self.dec = decoder
+        self.history: dict[int, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        """Start a new stream (a new tile): every causal conv's history is zero again."""
+        self.history.clear()
+
+    # ------------------------------------------------------------------ layers
+    def causal(self, conv, x: torch.Tensor, norm=None) -> torch.Tensor:
+        """``conv(silu(norm(x)))`` (or ``conv(x)``) with the stream's time history, no padded copy."""
+        pw, ph, k = conv._padding[0], conv._padding[2], conv._padding[4]
+        B, _, T, H, W = x.shape
+        C = conv.in_channels
+        if k == 0:  # a 1x1x1 (or spatial-only) conv has no history
+            inp = x if norm is None else F.silu(rms_norm(norm, x), inplace=True)
+            return F.conv3d(inp, conv.weight, conv.bias, conv.stride, (0, ph, pw))
+        buf = torch.empty((B, C, k + T, H, W), dtype=x.dtype, device=x.device, memory_format=CL3)
+        new = buf[:, :, k:]
+        if norm is None:
+            new.copy_(x)
+        else:
+            torch.ops.aten.silu.out(rms_norm(norm, x), out=new)
+        hist = self.history.get(id(conv))
+        if hist is None:
+            buf[:, :, :k].zero_()
+            hist = torch.empty((B, C, k, H, W), dtype=x.dtype, device=x.device, memory_format=CL3)
+            self.history[id(conv)] = hist
+        else:
+            buf[:, :, :k].copy_(hist)
+        y = F.conv3d(buf, conv.weight, conv.bias, conv.stride, (0, ph, pw))
+        hist.copy_(buf[:, :, T:])  # the stream's last k frames (old history too when T < k)
+        return y
+
+    def resblock(self, blk, x: torch.Tensor) -> torch.Tensor:
+        h = x if isinstance(blk.conv_shortcut, torch.nn.Identity) else self.causal(blk.conv_shortcut, x)
+        y = self.causal(blk.conv1, x, norm=blk.norm1)
+        y = self.causal(blk.conv2, y, norm=blk.norm2)
+        return y.add_(h)
+
+    def attention(self, blk, x: torch.Tensor) -> torch.Tensor:
+        """Single-head attention over each frame's H*W positions, on channels-last rows."""
+        B, C, T, H, W = x.shape
+        n = rms_norm(blk.norm, x)
+        rows = n.permute(0, 2, 3, 4, 1).reshape(B * T, H * W, C)
+        qkv = F.linear(rows, blk.to_qkv.weight.reshape(3 * C, C), blk.to_qkv.bias)
+        q, k, v = (t.unsqueeze(1) for t in qkv.split(C, dim=-1))
+        o = F.scaled_dot_product_attention(q, k, v).squeeze(1)
+        o = F.linear(o, blk.proj.weight.reshape(C, C), blk.proj.bias)
+        return o.view(B, T, H, W, C).permute(0, 4, 1, 2, 3).add_(x)
+
+    def resample(self, r, x: torch.Tensor, first: bool) -> torch.Tensor:
+        if r.mode == "upsample3d" and not first:
+            # diffusers marks the first chunk "Rep" and skips this conv there: its stream starts at
+            # chunk 1 with zero history, which is what an absent history gives.
+            y = self.causal(r.time_conv, x)  # [B, 2C, T, H, W]: channel half s is frame 2t + s
+            B, C2, T, H, W = y.shape
+            C = C2 // 2
+            inter = torch.empty((B, T, 2, H, W, C), dtype=y.dtype, device=y.device)
+            inter.copy_(y.permute(0, 2, 3, 4, 1).unflatten(-1, (2, C)).permute(0, 1, 4, 2, 3, 5))
+            x = inter.view(B, 2 * T, H, W, C).permute(0, 4, 1, 2, 3)
+        elif r.mode not in ("upsample2d", "upsample3d"):
+            raise ValueError(f"vae: expected decoder resample modes upsample2d/upsample3d, got {r.mode!r}")
+        B, C, T, H, W = x.shape
+        x4 = x.permute(0, 2, 1, 3, 4).reshape(B * T, C, H, W)  # a view for channels-last input
+        # nearest-exact at an integer scale copies values, so the input dtype gives diffusers' result
+        up = F.interpolate(x4, scale_factor=2.0, mode="nearest-exact")
+        conv = r.resample[1]
+        y = F.conv2d(up, conv.weight, conv.bias, conv.stride, conv.padding)
+        return y.view(B, T, *y.shape[1:]).permute(0, 2, 1, 3, 4)
+
+    def dup_up_add(self, du, x_in: torch.Tensor, x: torch.Tensor, first: bool) -> torch.Tensor:
+        """``x + DupUp3D(x_in)`` (Wan2.2's parameter-free shortcut) as one gather added in place.
+
+        DupUp3D repeats channels and unfolds them into (time, row, column) sub-positions: output
+        channel o, sub-position (a, i, j) reads input channel ((((o*ft + a)*fs + i)*fs + j) // repeats).
+        """
+        ft, fs, rep, oc = du.factor_t, du.factor_s, du.repeats, du.out_channels
+        B, _, t, h, w = x_in.shape
+        idx = (torch.arange(oc * ft * fs * fs, device=x.device) // rep).view(oc, ft, fs, fs)
+        g = x_in.permute(0, 2, 3, 4, 1)[..., idx]  # [B, t, h, w, oc, ft, fs, fs]
+        g = g.permute(0, 1, 5, 2, 6, 3, 7, 4)  # [B, t, ft, h, fs, w, fs, oc]
+        if first:  # diffusers drops the first ft - 1 frames of the first chunk
+            g = g[:, :, ft - 1:]
+        shape = (B, t, g.shape[2], h, fs, w, fs, oc)
+        xv = x.permute(0, 2, 3, 4, 1)
+        if xv.is_contiguous():
+            xv.view(shape).add_(g)
+            return x
+        return x + g.reshape(B, t * g.shape[2], h * fs, w * fs, oc).permute(0, 4, 1, 2, 3)
+
+    def up_block(self, ub, x: torch.Tensor, first: bool) -> torch.Tensor:
+        x_in = x
+        for r in ub.resnets:
+            x = self.resblock(r, x)
+        if hasattr(ub, "avg_shortcut"):  # Wan2.2 residual up block
+            if ub.upsampler is not None:
+                x = self.resample(ub.upsampler, x, first)
+            if ub.avg_shortcut is not None:
+                x = self.dup_up_add(ub.avg_shortcut, x_in, x, first)
+        elif ub.upsamplers is not None:
+            x = self.resample(ub.upsamplers[0], x, first)
+        return x
+
+    # ------------------------------------------------------------------ one latent frame
+    @torch.no_grad()
+    def step(self, z: torch.Tensor, first: bool) -> torch.Tensor:
+        """Decode one post-quant latent frame [B, z, 1, h, w] into 1 (first) or 4 frames."""
+        d = self.dec
+        x = self.causal(d.conv_in, z.contiguous(memory_format=CL3))
+        mid = d.mid_block
+        x = self.resblock(mid.resnets[0], x)
+        for attn, res in zip(mid.attentions, mid.resnets[1:]):
+            if attn is not None:
+                x = self.attention(attn, x)
+            x = self.resblock(res, x)
+        for ub in d.up_blocks:
+            x = self.up_block(ub, x, first)
+        return self.causal(d.conv_out, x, norm=d.norm_out)
+
+
+def to_channels_last(module: torch.nn.Module) -> None:
+    """Give every conv weight the channels-last layout in place (same Parameter objects and values).
+
+    cuDNN then runs NDHWC/NHWC kernels without converting weights on each call.
+    """
+    for m in module.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.nn.Parameter) and w.dim() in (4, 5):
+            fmt = CL3 if w.dim() == 5 else torch.channels_last
+            if not w.is_contiguous(memory_format=fmt):
+                w.data = w.data.contiguous(memory_format=fmt)

@@ -35,12 +35,14 @@ GPU_CONFIG = {
     "gemv_down": dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, UNROLL=True),
     "grouped_decode": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "grouped_prefill": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    "moe_t1": dict(FUSED_ROUTE=True),  # routing inside the gate_up GEMV (else a route kernel first)
 }
 CPU_CONFIG = {
     "gemv_gate_up": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, UNROLL=True),
     "gemv_down": dict(BLOCK_N=16, BLOCK_K=16, num_warps=1, UNROLL=False),
     "grouped_decode": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1),
     "grouped_prefill": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1),
+    "moe_t1": dict(FUSED_ROUTE=True),
 }
 DECODE_MAX_TOKENS = 16
 
@@ -477,7 +479,7 @@ def experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_sc
 def moe(x, router_logits, w_gate_up, w_down, top_k, renormalize, gate_up_scale, down_scale):
     x = _rows_contiguous(x)
     T = x.shape[0]
-    if T == 1:
+    if T == 1 and _config("moe_t1", x.device)["FUSED_ROUTE"]:
         logits = _rows_contiguous(router_logits)
         ids = torch.empty((1, top_k), dtype=torch.int32, device=x.device)
         tw = torch.empty((1, top_k), dtype=torch.float32, device=x.device)

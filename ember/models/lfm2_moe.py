@@ -182,6 +182,7 @@ def _attention_config(cfg: dict) -> _common.AttentionConfig:
                                    rms_norm_eps=float(cfg.get("norm_eps", 1e-5)))
 
 
+@_hybrid.missing_as_value_error
 def build(src: _common.TensorSource, cfg: dict, *, fp8: bool, max_seq_len: int) -> _hybrid.HybridLM:
     _common.check_positive(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     types = _layer_types(cfg)

@@ -264,6 +264,7 @@ def _text_names(src: _common.TensorSource) -> _common.TensorSource:
                            if n.startswith("model.language_model.") else n)
 
 
+@_hybrid.missing_as_value_error
 def build(src: _common.TensorSource, cfg: dict, *, fp8: bool, max_seq_len: int) -> _hybrid.HybridLM:
     tc = text_config(cfg)
     _common.check_positive(tc, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",

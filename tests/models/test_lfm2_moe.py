@@ -89,6 +89,24 @@ def close(got, ref, rel=1e-4):
     return (got - ref).abs().max().item() <= rel * scale
 
 
+def fake_quantized(model):
+    """A copy of a transformers model whose weights ember quantises with --fp8 (every projection and
+    expert, per output row) are replaced by dequant(quant(w)); routers, shared-expert gate, convs,
+    norms, embedding and lm_head stay as they are, as ember keeps them. ember's FP8 net must match it."""
+    import copy
+
+    from ember.ops import fp8 as fp8_ops
+    model = copy.deepcopy(model)
+    keep = ("embed_tokens", "lm_head", "mlp.gate.weight", "feed_forward.gate.weight", "shared_expert_gate",
+            "conv.weight", "conv1d.weight")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not any(k in name for k in keep) and not name.startswith("model.visual"):
+                q, s = fp8_ops.quantize_fp8(p.data, "row")
+                p.copy_(q.float() * s)
+    return model
+
+
 # ----------------------------------------------------------------------------- LFM2 models
 def lfm2_config(**kw):
     import transformers
@@ -150,6 +168,16 @@ def test_batch_of_two_different_lengths(pair):
     a, b = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 12))
     toks, _ = greedy(net, [a[0].tolist(), b[0].tolist()], 10)
     assert toks.tolist() == [hf_greedy(hf, a, 10)[0].tolist(), hf_greedy(hf, b, 10)[0].tolist()]
+
+
+def test_fp8_matches_transformers_with_the_same_quantised_weights(pair):
+    hf, _, path = pair
+    net = build_net(path, lfm2_moe, fp8=True)
+    ids = torch.randint(0, VOCAB, (2, 13))
+    with torch.no_grad():
+        ref = fake_quantized(hf)(ids).logits
+        got = net.prefill(ids)
+    assert close(got, ref)
 
 
 def test_cache_specs_layout(pair):

@@ -1,0 +1,239 @@
+"""Model oracle for Qwen3.5-MoE: tiny random transformers models (fp32) — the text-only
+Qwen3_5MoeForCausalLM and the image-text Qwen3_5MoeForConditionalGeneration layout of the released
+checkpoints — built by ember.models.qwen3_5_moe and compared with transformers' forward and greedy
+generate (transformers' own conv / recurrent / KV cache)."""
+import pytest
+import torch
+
+from ember.models import qwen3_5_moe
+from tests.models.test_lfm2_moe import (NEW, PROMPT_LEN, allocate, build_net, close, fake_quantized,
+                                        graph_decode_matches_eager, greedy, hf_greedy, randomize)
+
+VOCAB = 96
+
+
+def text_kwargs(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, initializer_range=0.1,
+                max_position_embeddings=256)
+    base.update(kw)
+    return base
+
+
+def build_hf(kind: str, seed: int = 0, **kw):
+    import transformers
+    torch.manual_seed(seed)
+    if kind == "text":
+        model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3_5MoeTextConfig(**text_kwargs(**kw)),
+                                                              dtype=torch.float32)
+    else:  # the released layout: text under model.language_model., plus a vision tower ember ignores
+        vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=64, patch_size=2,
+                      spatial_merge_size=1, num_position_embeddings=16)
+        cfg = transformers.Qwen3_5MoeConfig(text_config=text_kwargs(**kw), vision_config=vision)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).to(torch.float32)
+    # Qwen3.5's RMSNorm weights are offsets from 1 (zeros at init); the gated DeltaNet norm is a plain weight.
+    return randomize(model.eval(), one=("linear_attn.norm",))
+
+
+VARIANTS = {
+    "text": ("text", {}),
+    # the image-text checkpoint layout; 2 full-attention layers (interval 2), half-rotary heads
+    "image_text": ("image_text", dict(layer_types=None, full_attention_interval=2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5})),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory):
+    kind, kw = VARIANTS[request.param]
+    hf = build_hf(kind, **kw)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, build_net(path, qwen3_5_moe), path
+
+
+def _logits(hf, ids):
+    with torch.no_grad():
+        return hf(input_ids=ids).logits
+
+
+def test_checkpoint_layout(pair):
+    hf, net, path = pair
+    from safetensors import safe_open
+    names = set(safe_open(str(path / "model.safetensors"), "pt").keys())
+    prefix = "model.language_model." if hasattr(hf.model, "language_model") else "model."
+    assert f"{prefix}layers.0.linear_attn.in_proj_qkv.weight" in names
+    assert any(".mlp.shared_expert_gate.weight" in n for n in names)
+
+
+def test_cache_free_forward_matches_transformers(pair):
+    hf, net, _ = pair
+    ids = torch.randint(0, VOCAB, (2, 13))
+    ref = _logits(hf, ids)
+    with torch.no_grad():
+        got = net.prefill(ids)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert close(got, ref)
+
+
+def test_greedy_decode_matches_transformers_generate(pair):
+    hf, net, _ = pair
+    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN))
+    ref = hf_greedy(hf, prompt, NEW)
+    toks, logits = greedy(net, [prompt[0].tolist()], NEW)
+    assert toks.tolist() == ref.tolist()
+    ref_logits = _logits(hf, torch.cat([prompt, ref], 1))[:, PROMPT_LEN - 1:-1]
+    assert close(logits, ref_logits)
+
+
+def test_batch_of_two_different_lengths(pair):
+    hf, net, _ = pair
+    a, b = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 12))
+    toks, _ = greedy(net, [a[0].tolist(), b[0].tolist()], 10)
+    assert toks.tolist() == [hf_greedy(hf, a, 10)[0].tolist(), hf_greedy(hf, b, 10)[0].tolist()]
+
+
+def test_fp8_matches_transformers_with_the_same_quantised_weights(pair):
+    """FP8 on load equals transformers run on dequant(quant(w)) weights (the permuted q/k rows keep
+    their per-row scales). Against the unquantised model this tiny random DeltaNet is very sensitive
+    (logit SNR ~5 dB, measured), so the quantisation itself is checked here, not its accuracy."""
+    hf, _, path = pair
+    net = build_net(path, qwen3_5_moe, fp8=True)
+    ids = torch.randint(0, VOCAB, (2, 13))
+    ref = _logits(fake_quantized(hf), ids)
+    with torch.no_grad():
+        got = net.prefill(ids)
+    assert close(got, ref)
+
+
+def test_cache_specs_layout(pair):
+    hf, net, _ = pair
+    c = hf.config.get_text_config()
+    specs = net.cache_specs(2, 48, torch.bfloat16)
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    assert len(specs) == c.num_hidden_layers
+    for kind, spec in zip(c.layer_types, specs):
+        if kind == "linear_attention":
+            assert spec == (((2, conv_dim, c.linear_conv_kernel_dim - 1), torch.bfloat16),
+                            ((2, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), torch.float32))
+        else:
+            assert spec == (((2, c.num_key_value_heads, 48, c.head_dim), torch.bfloat16),) * 2
+
+
+def test_rotary_permutation_matches_partial_rope():
+    """The permuted full rotate-half equals transformers' partial RoPE on the original layout."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import apply_rotary_pos_emb
+    D, R, T = 32, 8, 5
+    x = torch.randn(1, 2, T, D, dtype=torch.float64)
+    inv = 1.0 / (1000.0 ** (torch.arange(0, R, 2, dtype=torch.float64) / R))
+    f = torch.arange(T, dtype=torch.float64)[:, None] * inv
+    emb = torch.cat([f, f], -1)[None]
+    ref, _ = apply_rotary_pos_emb(x, x, emb.cos(), emb.sin())
+    perm = qwen3_5_moe.rotary_permutation(D, R)
+    cos, sin = qwen3_5_moe.rope_tables(D, R, 1000.0, T, "cpu")
+    y = x[..., perm]
+    y1, y2 = y.chunk(2, -1)
+    c, s = cos.double()[None, None], sin.double()[None, None]
+    got = torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], -1)
+    torch.testing.assert_close(got, ref[..., perm], rtol=1e-6, atol=1e-6)  # fp32 tables vs fp64 math
+
+
+# ----------------------------------------------------------------------------- bad input
+def _text_cfg(cfg):
+    return cfg["text_config"] if "text_config" in cfg else cfg
+
+
+def test_layer_types_length_mismatch(pair):
+    _, _, path = pair
+    with pytest.raises(ValueError, match="layer_types has 3 entries but num_hidden_layers is 4"):
+        build_net(path, qwen3_5_moe, cfg_edit=lambda c: _text_cfg(c).update(layer_types=_text_cfg(c)["layer_types"][:3]))
+
+
+def test_unknown_layer_type(pair):
+    _, _, path = pair
+    with pytest.raises(ValueError, match="layer_types entries must be in"):
+        build_net(path, qwen3_5_moe, cfg_edit=lambda c: _text_cfg(c)["layer_types"].__setitem__(0, "conv"))
+
+
+def test_conv_kernel_mismatch(pair):
+    _, _, path = pair
+    with pytest.raises(ValueError, match=r"linear_conv_kernel_dim=3 does not match checkpoint tensor "
+                                         r"model\.(language_model\.)?layers\.0\.linear_attn\.conv1d\.weight"):
+        build_net(path, qwen3_5_moe, cfg_edit=lambda c: _text_cfg(c).update(linear_conv_kernel_dim=3))
+
+
+def test_state_dims_mismatch(pair):
+    _, _, path = pair
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \* linear_key_head_dim .* does not match .*conv1d"):
+        build_net(path, qwen3_5_moe, cfg_edit=lambda c: _text_cfg(c).update(linear_key_head_dim=8))
+    with pytest.raises(ValueError, match=r"linear_value_head_dim=8 does not match|linear_num_key_heads"):
+        build_net(path, qwen3_5_moe, cfg_edit=lambda c: _text_cfg(c).update(linear_value_head_dim=8))
+
+
+def test_value_heads_mismatch_names_a_log(pair):
+    """Heads moved between keys and values keep conv_dim; A_log still disagrees, and says so."""
+    _, _, path = pair
+    with pytest.raises(ValueError, match=r"linear_num_value_heads=2 does not match checkpoint tensor .*A_log"):
+        build_net(path, qwen3_5_moe, cfg_edit=lambda c: _text_cfg(c).update(
+            linear_num_value_heads=2, linear_value_head_dim=32))
+
+
+def test_missing_tensor_named(pair):
+    _, _, path = pair
+    with pytest.raises(ValueError, match=r"missing tensor\(s\).*shared_expert_gate"):
+        build_net(path, qwen3_5_moe, tensors_edit=lambda t: [t.pop(n) for n in list(t)
+                                                             if n.endswith("layers.1.mlp.shared_expert_gate.weight")])
+
+
+def test_odd_partial_rotary_rejected(pair):
+    _, _, path = pair
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        build_net(path, qwen3_5_moe, cfg_edit=lambda c: _text_cfg(c)["rope_parameters"].update(
+            partial_rotary_factor=0.3))
+
+
+def test_prefill_ignores_stale_state(pair):
+    """A second request in the same cache row gets the same tokens as the first (state reset by prefill)."""
+    _, net, _ = pair
+    prompt = torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist()
+    caches = allocate(net, 1, 64, poison=False)
+    outs = []
+    with torch.no_grad():
+        for _ in range(2):
+            logits = net.prefill(torch.tensor([prompt]), caches, last_only=True)
+            pos = torch.tensor([PROMPT_LEN])
+            for _ in range(4):
+                logits = net.decode(logits.argmax(-1), pos, (pos + 1).to(torch.int32), caches)
+                pos = pos + 1
+            outs.append(logits)
+    assert torch.equal(outs[0], outs[1])
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager(cuda, tmp_path):
+    hf = build_hf("text")
+    hf.save_pretrained(tmp_path)
+    net = build_net(tmp_path, qwen3_5_moe, dtype=torch.bfloat16, device=cuda)
+    prompt = torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist()
+    e_toks, g_toks, e_logits, g_logits = graph_decode_matches_eager(net, prompt, NEW)
+    assert g_toks == e_toks
+    assert torch.equal(g_logits, e_logits)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_transformers_fp32(cuda, tmp_path):
+    """The Triton paths (conv, delta rule, attention, MoE) in fp32 on the GPU: transformers' greedy tokens."""
+    hf = build_hf("text")
+    hf.save_pretrained(tmp_path)
+    net = build_net(tmp_path, qwen3_5_moe, device=cuda)
+    hf = hf.to(cuda)
+    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), device=cuda)
+    ref = hf_greedy(hf, prompt, NEW)
+    toks, logits = greedy(net, [prompt[0].tolist()], NEW)
+    assert toks.tolist() == ref.tolist()
+    ref_logits = _logits(hf, torch.cat([prompt, ref], 1))[:, PROMPT_LEN - 1:-1]
+    assert close(logits, ref_logits, rel=1e-3)

@@ -22,8 +22,9 @@ import triton.language as tl
 
 from ember.kernels._common import round_to
 
-FP8_MAX = 448.0
-AMAX_EPS = 1e-12
+# tl.constexpr: @triton.jit code may read module globals only in this form (the interpreter is laxer)
+FP8_MAX = tl.constexpr(448.0)
+AMAX_EPS = tl.constexpr(1e-12)
 SCALE_BLOCK = 128
 
 
@@ -102,6 +103,7 @@ def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
                       stride_sam, stride_sak, stride_sbk, stride_sbn,
                       A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr, SB_N_GROUP: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FP8_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                      IEEE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # ---- tile coordinates (grouped order: GROUP_M row tiles share each column tile in L2)
     pid = tl.program_id(0)
@@ -140,16 +142,23 @@ def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
             if DOT_F32:
                 # Triton's interpreter (CPU CI) multiplies bf16 dot operands wrongly; fp32 is exact
-                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+                a, b = a.to(tl.float32), b.to(tl.float32)
             elif A_SCALED:
-                if FP8_DOT:
-                    part = tl.dot(a, b)
-                else:  # e4m3 -> bf16 is exact, so this is the same product
-                    part = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-            elif a.dtype == tl.float32:
-                part = tl.dot(a, b.to(tl.float32), input_precision="ieee")
+                if not FP8_DOT:  # e4m3 -> bf16 is exact, so this is the same product
+                    a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
             else:
-                part = tl.dot(a, b.to(a.dtype))
+                b = b.to(a.dtype)
+            if K_BLOCKED:
+                if IEEE:
+                    part = tl.dot(a, b, input_precision="ieee")
+                else:
+                    part = tl.dot(a, b)
+            elif IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                # accumulate inside the dot: a separate `acc += part` kept Triton from pipelining
+                # the loads (one shared-memory stage instead of num_stages, seen compiling for sm_90)
+                acc = tl.dot(a, b, acc)
         if K_BLOCKED:
             # BLOCK_K == 128 and k0 is a multiple of 128: one scale block along K per step
             kb = k0 // BLOCK_K
@@ -158,7 +167,9 @@ def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
             if A_SCALED:
                 sa = tl.load(sa_ptr + offs_m64 * stride_sam + kb * stride_sak, mask=mask_m, other=0.0)
                 part = part * sa[:, None]
-        acc += part
+            acc += part
+        elif BLOCK_M == 1:
+            acc += part
     if not K_BLOCKED:
         sb = tl.load(sb_ptr + (offs_n // SB_N_GROUP) * stride_sbn, mask=mask_n, other=0.0)
         acc = acc * sb[None, :]
@@ -273,6 +284,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
         s_am, s_ak, s_bk, s_bn,
         A_SCALED=kind_a is not None, K_BLOCKED=k_blocked, SB_N_GROUP=group, HAS_BIAS=bias is not None,
         SPLIT_K=split, FP8_DOT=_fp8_dot_supported(a.device), DOT_F32=a.device.type != "cuda",
+        IEEE=a.device.type != "cuda" or a.dtype == torch.float32,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:

@@ -329,4 +329,4 @@ def test_gpu_kernels_match_transformers_fp32(cuda, tmp_path):
     assert toks.tolist() == ref.tolist()
     with torch.no_grad():
         ref_logits = hf(torch.cat([prompt, ref], 1)).logits[:, PROMPT_LEN - 1:-1]
-    assert close(logits, ref_logits, rel=1e-3)  # TF32-free fp32 kernels; 1e-3 covers accumulation order
+    assert close(logits, ref_logits)  # fp32 kernels use IEEE dots; transformers runs without TF32

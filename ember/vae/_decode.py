@@ -17,9 +17,9 @@ import torch
 from ember.vae._stream import StreamDecoder, is_causal_conv, to_channels_last
 
 SUPPORTED = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
-# Auto tiling: at most this many bytes of conv history (2 frames per causal conv) per tile. 0.4 GB
+# Auto tiling: at most this many bytes of conv history (2 frames per causal conv) per tile. 1 GB
 # keeps Wan2.2 at 704x1280 in 2x2 tiles and Wan2.1 at 480x832 in 2x2 tiles (see ember/bench/vae.py).
-AUTO_HISTORY_BYTES = 0.4e9
+AUTO_HISTORY_BYTES = 1.0e9
 AUTO_OVERLAP_LATENT = 4  # latent pixels of overlap between auto tiles
 
 

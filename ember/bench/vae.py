@@ -1,0 +1,184 @@
+"""``ember bench vae``: Wan-family video VAE decode (ember.vae.decode vs diffusers 0.42.1) and pad.
+
+Floors (H200, bf16 dense 790 TFLOP/s; conv FLOPs counted with hooks on diffusers' decoder):
+  * Wan2.2 VAE, 121 x 704 x 1280 (31 latent frames, 44 x 80): 2,010 TFLOP untiled -> 2.54 s; tiles
+    add their overlap (2 x 2 tiles with 4 latent px of overlap: +10%).
+  * Wan2.1 VAE, 81 x 480 x 832 (21 latent frames, 60 x 104): 274 TFLOP -> 0.35 s.
+  * pad 1x96x4x256x512 bf16 -> 1x96x6x258x514 (causal-conv pattern): 50 MB read + 76 MB written
+    = 126 MB -> 30 us at 4.15 TB/s.
+Decodes are timed once each, wall clock around a synchronised call, after a short warm-up decode
+(kernels loaded, Triton compiled); peak_GB is the CUDA allocator's peak above what was allocated
+before the call (the weights and the latents), as in shared/reference/vae_baseline.py.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ember
+from ember.bench import BenchContext, Row, _timing
+
+COPY_BW_GBPS = 4155.0
+WAN_CONFIGS = {
+    "wan21": dict(),
+    "wan22": dict(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12, out_channels=12,
+                  patch_size=2, scale_factor_spatial=16, latents_mean=[0.0] * 48, latents_std=[1.0] * 48),
+}
+TINY = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+# (row name, config, frames, height, width, ember seconds target, ember peak GB target)
+DECODES = [("wan22_121x704x1280_bf16", "wan22", 121, 704, 1280, 4.0, 3.0),
+           ("wan21_81x480x832_bf16", "wan21", 81, 480, 832, 2.0, 1.0)]
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = sum((((x.float() - y.float()) / 2) ** 2).sum().item() for x, y in zip(a.split(8, 2), b.split(8, 2)))
+    mse /= a.numel()
+    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(1 / mse)).item()
+
+
+class PadCounter:
+    """Counts F.pad calls (each one materialises a padded copy) inside diffusers' Wan module."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __enter__(self):
+        import diffusers.models.autoencoders.autoencoder_kl_wan as wan
+        self._mods = [F, wan.F]
+        self._real = F.pad
+
+        def counting(*a, **k):
+            self.calls += 1
+            return self._real(*a, **k)
+        for m in self._mods:
+            m.pad = counting
+        return self
+
+    def __exit__(self, *exc):
+        for m in self._mods:
+            m.pad = self._real
+
+
+def build_vae(name: str, device, dtype, tiny: bool = False):
+    from diffusers import AutoencoderKLWan
+    cfg = TINY if tiny else WAN_CONFIGS[name]
+    with torch.device(device):
+        vae = AutoencoderKLWan(**cfg)
+    return vae.to(device, dtype).eval()
+
+
+def timed(fn, device) -> tuple[object, float, float]:
+    """(result, seconds, peak GB above the memory allocated before the call)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = fn()
+    sync()
+    seconds = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() - base) / 1e9 if device.type == "cuda" else float("nan")
+    return out, seconds, peak
+
+
+def diffusers_decode(vae, z, tiled: bool):
+    if tiled:
+        vae.enable_tiling()  # diffusers' defaults: 256 px tiles, 192 px stride
+    else:
+        vae.disable_tiling()
+    return vae.decode(z).sample
+
+
+def decode_row(ctx: BenchContext, name, cfg, frames, h, w, t_target, gb_target, tile=None, overlap=None) -> tuple[Row, int]:
+    dtype = torch.bfloat16
+    vae = build_vae(cfg, ctx.device, dtype, tiny=ctx.quick)
+    comp = vae.spatial_compression_ratio
+    T = (frames - 1) // 4 + 1
+    z = torch.randn(1, vae.config.z_dim, T, h // comp, w // comp, device=ctx.device, dtype=dtype)
+    results = {}
+    pad_calls = 0
+    for tiled in (False, True):
+        ctx.progress(f"{name}: diffusers {'tiled' if tiled else 'untiled'}")
+        with torch.no_grad():
+            diffusers_decode(vae, z[:, :, :2], tiled)  # warm-up
+        with PadCounter() as pc:
+            out, s, gb = timed(lambda: diffusers_decode(vae, z, tiled), ctx.device)
+        if tiled:
+            pad_calls = pc.calls
+            del out
+        else:
+            reference = out
+        results[tiled] = (s, gb)
+    ctx.progress(f"{name}: ember")
+    ember.vae.decode(vae, z[:, :, :2], tile=tile, overlap=overlap, progress=False)  # warm-up
+    out, s, gb = timed(lambda: ember.vae.decode(vae, z, tile=tile, overlap=overlap, progress=False), ctx.device)
+    quality = psnr(out, reference)
+    del out, reference, vae, z
+    if ctx.on_gpu:
+        torch.cuda.empty_cache()
+    (du_s, du_gb), (dt_s, dt_gb) = results[False], results[True]
+    row = Row(name, "s", s, du_s, "diffusers 0.42.1 AutoencoderKLWan.decode, untiled",
+              target=f"<= {t_target} s and peak_GB <= {gb_target}", meets=s <= t_target and gb <= gb_target,
+              extra={"peak_GB": gb, "diffusers_untiled_s": du_s, "diffusers_untiled_peak_GB": du_gb,
+                     "diffusers_tiled_s": dt_s, "diffusers_tiled_peak_GB": dt_gb,
+                     "speedup_vs_diffusers_tiled": dt_s / s, "psnr_vs_diffusers_untiled_db": quality,
+                     "tile": str(tile), "overlap": str(overlap)})
+    return row, pad_calls
+
+
+def pad_copies_row(ctx: BenchContext, diffusers_calls: int) -> Row:
+    """F.pad calls during ember's Wan2.2 decode (a small one: the count does not depend on size)."""
+    vae = build_vae("wan22", ctx.device, torch.bfloat16, tiny=ctx.quick)
+    comp = vae.spatial_compression_ratio
+    z = torch.randn(1, vae.config.z_dim, 3, 64 // comp * 2, 64 // comp * 2, device=ctx.device, dtype=torch.bfloat16)
+    real = F.pad
+    calls = [0]
+    F.pad = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or real(*a, **k)
+    try:
+        ember.vae.decode(vae, z, tile=False)
+    finally:
+        F.pad = real
+    return Row("pad_copies_per_decode", "count", float(calls[0]), float(diffusers_calls),
+               "diffusers 0.42.1 tiled Wan2.2 decode (F.pad calls, 121x704x1280)", target="0 materialised padded copies",
+               meets=calls[0] == 0)
+
+
+def pad_row(ctx: BenchContext) -> Row:
+    shape = (1, 96, 4, 256, 512) if not ctx.quick else (1, 8, 4, 32, 64)
+    pad = (1, 1, 1, 1, 2, 0)
+    x = torch.randn(shape, device=ctx.device, dtype=torch.bfloat16)
+    out_numel = F.pad(x, pad).numel()
+    nbytes = (x.numel() + out_numel) * 2
+    sets = _timing.copies_to_exceed_l2(nbytes) if ctx.on_gpu else 2
+    xs = [torch.randn(shape, device=ctx.device, dtype=torch.bfloat16) for _ in range(sets)]
+    t_e = ctx.time_us([lambda x=x: ember.ops.pad(x, pad) for x in xs])
+    t_t = ctx.time_us([lambda x=x: F.pad(x, pad) for x in xs])
+    ge, gt = nbytes / t_e / 1e3, nbytes / t_t / 1e3
+    name = "pad_rank5_bf16_" + "x".join(map(str, shape))
+    return Row(name, "GB/s", ge, gt, "torch F.pad (constant)", target=">= 80% of 4155 GB/s copy bandwidth",
+               meets=ge >= 0.8 * COPY_BW_GBPS, extra={"ember_us": t_e, "baseline_us": t_t,
+                                                      "fraction_of_copy_bw": ge / COPY_BW_GBPS})
+
+
+def run(ctx: BenchContext, tiles: dict | None = None) -> list[Row]:
+    rows = [pad_row(ctx)]
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        ctx.progress("diffusers not installed: skipping the VAE rows")
+        return rows
+    decodes = DECODES if not ctx.quick else [("wan21_tiny_9x64x96_bf16", "wan21", 9, 64, 96, float("inf"), float("inf"))]
+    wan22_pads = 0
+    for name, cfg, frames, h, w, t_target, gb_target in decodes:
+        tile, overlap = (tiles or {}).get(name, (None, None))
+        row, pads = decode_row(ctx, name, cfg, frames, h, w, t_target, gb_target, tile, overlap)
+        rows.append(row)
+        if cfg == "wan22" or ctx.quick:
+            wan22_pads = pads
+    rows.append(pad_copies_row(ctx, wan22_pads))
+    return rows

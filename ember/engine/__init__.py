@@ -78,7 +78,9 @@ class Model:
         self._min_p = torch.zeros(B, dtype=torch.float32, device=dev)
         self._seed = torch.zeros(B, dtype=torch.int64, device=dev)
         self._offset = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch, all greedy) -> graph
+        self._greedy = True
+        self._argmax_fn = None
         self.use_cuda_graph = dev.type == "cuda"
         self.stats = Stats()
 
@@ -100,11 +102,28 @@ class Model:
                              f"[{int(ids.min())}, {int(ids.max())}]")
 
     # ------------------------------------------------------------------ decode step
+    def _next_tokens(self, logits: torch.Tensor, B: int) -> torch.Tensor:
+        if self._greedy:
+            # All rows greedy: argmax, no filtering or random numbers (cheaper than sample at T=0).
+            return self._argmax(logits)
+        return ember.ops.sample(logits, temperature=self._temperature[:B], top_k=self._top_k[:B],
+                                top_p=self._top_p[:B], min_p=self._min_p[:B], seed=self._seed[:B],
+                                offset=self._offset, check=False)  # SamplingParams validated the values
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._argmax_fn is None:
+            try:
+                ember.ops.argmax(logits)
+                self._argmax_fn = ember.ops.argmax
+            except Exception as e:  # a kernel that does not build here: say so, keep decoding
+                import warnings
+                warnings.warn(f"ember.ops.argmax failed ({type(e).__name__}: {str(e)[:200]}); using torch.argmax")
+                self._argmax_fn = lambda x: torch.argmax(x, dim=-1)
+        return self._argmax_fn(logits)
+
     def _step(self, B: int) -> None:
         logits = self.net.decode(self._tokens[:B], self._positions[:B], self._seq_lens[:B], self.caches)
-        nxt = ember.ops.sample(logits, temperature=self._temperature[:B], top_k=self._top_k[:B],
-                               top_p=self._top_p[:B], min_p=self._min_p[:B], seed=self._seed[:B],
-                               offset=self._offset, check=False)
+        nxt = self._next_tokens(logits, B)
         self._tokens[:B].copy_(nxt)
         self._positions[:B].add_(1)
         self._seq_lens[:B].add_(1)
@@ -130,13 +149,19 @@ class Model:
         torch.cuda.synchronize(self.device)
         return graph
 
-    def warmup(self, batch_size: int = 1) -> float:
-        """Capture the decode graph for ``batch_size`` now (else the first generate does it); seconds."""
-        if not self.use_cuda_graph or batch_size in self._graphs:
+    def warmup(self, batch_size: int = 1, greedy: bool | None = None) -> float:
+        """Capture the decode graph for ``batch_size`` now (else the first generate does it); seconds.
+        ``greedy`` picks the all-greedy (argmax) or the sampling graph (default: the current one)."""
+        key = (batch_size, self._greedy if greedy is None else greedy)
+        if not self.use_cuda_graph or key in self._graphs:
             return 0.0
         t0 = time.perf_counter()
-        with torch.no_grad():
-            self._graphs[batch_size] = self._capture(batch_size)
+        saved, self._greedy = self._greedy, key[1]
+        try:
+            with torch.no_grad():
+                self._graphs[key] = self._capture(batch_size)
+        finally:
+            self._greedy = saved
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ generation core
@@ -197,6 +222,7 @@ class Model:
         self._min_p[:B].copy_(torch.tensor(vals["min_p"]))
         self._seed[:B].copy_(torch.tensor(seeds))
         self._offset.zero_()
+        self._greedy = all(s.temperature == 0 for s in sampling)
 
     def _decode_rows(self, ids: list[list[int]], sampling: list[SamplingParams], max_new_tokens: int) -> Iterator[list[int]]:
         """Yield the new token of every row, step by step (the caller stops iterating when done)."""
@@ -218,9 +244,7 @@ class Model:
                 row_caches = [(k[b:b + 1], v[b:b + 1]) for k, v in self.caches]
                 last.append(self.net.prefill(torch.tensor([p], device=self.device), row_caches, last_only=True))
             logits = torch.cat(last)                                                   # [B, V]
-            first = ember.ops.sample(logits, temperature=self._temperature[:B], top_k=self._top_k[:B],
-                                     top_p=self._top_p[:B], min_p=self._min_p[:B], seed=self._seed[:B],
-                                     offset=self._offset, check=False)  # SamplingParams validated the values
+            first = self._next_tokens(logits, B)
             self._tokens[:B].copy_(first)
             lens = torch.tensor([len(p) for p in ids], device=self.device)
             self._positions[:B].copy_(lens)
@@ -233,9 +257,8 @@ class Model:
                 return
             graph = None
             if self.use_cuda_graph:
-                if B not in self._graphs:
-                    st.warmup_s = self.warmup(B)
-                graph = self._graphs[B]
+                st.warmup_s = self.warmup(B)
+                graph = self._graphs[(B, self._greedy)]
             t1 = time.perf_counter()
             # The host reads step k's tokens while the GPU runs step k + 1.
             host = [torch.empty(B, dtype=torch.int64, pin_memory=self.device.type == "cuda") for _ in range(2)]

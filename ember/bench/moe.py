@@ -1,0 +1,273 @@
+"""``ember bench moe``: Qwen3-30B-A3B decode and prefill, ember's engine vs Hugging Face transformers
+in the same process, random weights built on the GPU (no download).
+
+Floor (H200, 4.15 TB/s): one decode token reads, per layer, qkv 2048x5120 + o 4096x2048 + router
+128x2048 + 8 of 128 experts x 3 x 2048x768, i.e. 114.6 MB in bf16; x 48 layers + the 151936x2048
+lm_head = 6.13 GB -> 1.48 ms/token = 677 tok/s at batch 1 (FP8 weights, bf16 lm_head: ~3.4 GB,
+~1.2k tok/s). FLOPs are negligible at batch 1 (2 x 3.3 G = 6.7 GFLOP -> 8.5 us at 790 TFLOP/s).
+Batch 8 reads up to 8x more experts (~3.6x on average with 128 experts, top-8) for 8x the tokens.
+Prefill 2048 tokens: 2 x 3.3 G x 2048 = 13.7 TFLOP -> 17 ms at 790 TFLOP/s (compute bound).
+
+Rows (issue 5): qwen3_moe_30b_a3b_bf16_b1, _fp8_b1, _bf16_b8 (aggregate tok/s),
+_bf16_prefill2048 (tok/s); each records HF's figures. ``EMBER_BENCH_HF_COMPILE=1`` also times HF's
+static cache + torch.compile generate (~70 s of compilation, timed separately).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from ember.bench import BenchContext, Row, _timing
+
+COPY_BW = 4.155e12
+PROMPT, NEW = 128, 256
+
+
+def make_hf(quick: bool, device):
+    import transformers
+    if quick:
+        cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                          moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
+                                          norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=False)
+    else:  # shared/reference/baseline_h200.py make_model("qwen3_moe_30b_a3b")
+        cfg = transformers.Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                          norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
+                                          decoder_sparse_step=1, mlp_only_layers=[])
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval(), cfg
+
+
+def ember_from_hf(hf, cfg, *, fp8=False, max_seq_len=512, max_batch_size=1, net=None, table_len=None):
+    """An ember Model over the HF model's own tensors (shared, not copied, where layouts agree);
+    ``table_len`` sizes the net's RoPE table (>= every Model's max_seq_len that shares the net)."""
+    from ember.engine import Model
+    from ember.models import _common, qwen3_moe
+    if net is None:
+        sd = {k: v.detach() for k, v in hf.state_dict().items()}
+        p = next(iter(sd.values()))
+        src = _common.TensorSource(set(sd), sd.__getitem__, p.device, p.dtype)
+        with torch.no_grad():
+            net = qwen3_moe.build(src, cfg.to_dict() | {"num_experts": cfg.num_experts}, fp8=fp8,
+                                  max_seq_len=table_len or max_seq_len)
+    return Model(net, cfg.to_dict(), None, max_seq_len=max_seq_len, max_batch_size=max_batch_size, fp8=fp8)
+
+
+def decode_bytes(net) -> int:
+    """Weight bytes one batch-1 decode step reads (active experts only)."""
+    total = net.lm_head.weight.numel() * net.lm_head.weight.element_size()
+    for layer in net.layers:
+        a = layer.attn
+        for lin in (a.qkv, a.o):
+            total += lin.weight.numel() * lin.weight.element_size()
+        m = layer.mlp
+        if hasattr(m, "w_gate_up"):
+            E = m.w_gate_up.shape[0]
+            total += m.router.numel() * m.router.element_size()
+            total += m.top_k * (m.w_gate_up.numel() + m.w_down.numel()) // E * m.w_gate_up.element_size()
+        else:
+            total += sum(p.numel() * p.element_size() for p in m.parameters())
+    return total
+
+
+def hf_decode_tok_s(model, ids, new_tokens, **kw) -> float:
+    """HF generate decode rate: (time of n+1 tokens - time of 1 token) / n, as baseline_h200.py does."""
+    kw = dict(do_sample=False, pad_token_id=0, **kw)
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+        sync(); t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        sync(); t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, **kw)
+        sync(); t2 = time.perf_counter()
+    return new_tokens / ((t2 - t1) - (t1 - t0))
+
+
+def hf_static_compiled_tok_s(model, ids, new_tokens) -> tuple[float, float]:
+    """HF static cache + auto torch.compile: two identical generates (the first compiles; a different
+    max_new_tokens would size a new static cache and recompile). Rate of the second, prefill included,
+    as shared/reference/baseline_h200.py measures it."""
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1,
+              cache_implementation="static")
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize(); t1 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize(); t2 = time.perf_counter()
+    return (new_tokens + 1) / (t2 - t1), t1 - t0
+
+
+def ember_decode(model, prompts, new_tokens) -> dict:
+    """Generate once to warm up (captures the graph), then time a full generate."""
+    warm = model.warmup(len(prompts))
+    model.generate(prompts, max_new_tokens=4)
+    model.generate(prompts, max_new_tokens=new_tokens)
+    st = model.stats
+    return {"tok_s": st.decode_tok_s, "prefill_s": st.prefill_s, "warmup_s": warm}
+
+
+def graph_step_ms(model, B: int) -> float:
+    """Median time of one replay of the captured decode step (CUDA events)."""
+    g = model._graphs[(B, True)]
+    ts = []
+    for _ in range(30):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); g.replay(); b.record(); b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def breakdown_us(model) -> dict:
+    """Per-part decode time over all layers (each part captured alone in a graph, batch 1)."""
+    import ember.ops
+    net, B = model.net, 1
+    h = torch.randn(B, net.embed.shape[1], dtype=net.embed.dtype, device=net.embed.device)
+    pos = torch.tensor([PROMPT], device=h.device)
+    lens = (pos + 1).to(torch.int32)
+
+    def attn():
+        for i, layer in enumerate(net.layers):
+            layer.attn.decode(h, pos, lens, net.cos, net.sin, model.caches[i])
+
+    def moe():
+        for layer in net.layers:
+            layer.mlp(h)
+
+    def norms():
+        for layer in net.layers:
+            ember.ops.add_rmsnorm(h, h, layer.ln1)
+            ember.ops.add_rmsnorm(h, h, layer.ln2)
+
+    def head():
+        model._argmax(net.lm_head(h))
+
+    out = {}
+    for k, f in (("attention", attn), ("moe", moe), ("norms", norms), ("lm_head_argmax", head)):
+        try:
+            out[f"breakdown_{k}_us"] = _timing.graph_time_us([f], calls_per_graph=2, replays=10)
+        except Exception as e:
+            out[f"breakdown_{k}_error"] = repr(e)[:200]
+    return out
+
+
+def _print_row(row: Row) -> None:
+    import json
+    print("ROW " + json.dumps(row.as_dict()), flush=True)
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    dev = ctx.device
+    quick = ctx.quick or not ctx.on_gpu
+    new = 16 if quick else NEW
+    prompt_len = 16 if quick else PROMPT
+    rows = []
+    ctx.progress("building the HF model")
+    hf, cfg = make_hf(quick, dev)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(100, 1000 if not quick else 500, (1, prompt_len), generator=gen)
+    hf_ids = ids.to(dev)
+
+    ctx.progress("HF default generate")
+    hf_default = hf_decode_tok_s(hf, hf_ids, 8 if quick else 32)
+    hf_compiled, hf_compile_s, hf_first_call_s = None, None, None
+    if ctx.on_gpu and os.environ.get("EMBER_BENCH_HF_COMPILE") == "1":
+        ctx.progress("HF static cache + torch.compile")
+        t0 = time.perf_counter()
+        try:
+            hf_compiled, hf_first_call_s = hf_static_compiled_tok_s(hf, hf_ids, 64)
+        except Exception as e:  # recorded, not fatal: the row still has the default figure
+            hf_compiled = None
+            print(f"HF compiled generate failed: {e!r}"[:300])
+        hf_compile_s = time.perf_counter() - t0
+    hf_best = max(hf_default, hf_compiled or 0.0)
+    hf_extra = {"hf_default_tok_s": hf_default, "hf_static_compiled_tok_s": hf_compiled,
+                "hf_static_compiled_wall_incl_compile_s": hf_compile_s,
+                "hf_static_compiled_first_call_s": hf_first_call_s}
+
+    ctx.progress("ember bf16 b1")
+    T = 64 if quick else 2048  # the prefill row's length
+    em = ember_from_hf(hf, cfg, max_seq_len=prompt_len + new + 8, table_len=max(T, prompt_len + new + 8))
+    r = ember_decode(em, [ids[0].tolist()], new)
+    extra = dict(hf_extra, prefill_s=r["prefill_s"], warmup_s=r["warmup_s"])
+    if ctx.on_gpu:
+        step_ms = graph_step_ms(em, 1)
+        floor_ms = decode_bytes(em.net) / COPY_BW * 1e3
+        extra.update(graph_step_ms=step_ms, floor_ms=floor_ms, fraction_of_roofline=floor_ms / step_ms,
+                     roofline_tok_s=1e3 / floor_ms)
+        print(f"bf16 b1: {r['tok_s']:.1f} tok/s, step {step_ms:.3f} ms, floor {floor_ms:.3f} ms", flush=True)
+        if r["tok_s"] < 400:
+            extra.update(breakdown_us(em))
+    rows.append(Row("qwen3_moe_30b_a3b_bf16_b1", "tok/s", r["tok_s"], hf_best, "HF transformers 5.17 generate (faster of default / static+compile)",
+                    target=">= 400 tok/s and >= 5x HF", meets=r["tok_s"] >= 400 and r["tok_s"] >= 5 * hf_best,
+                    extra=extra))
+
+    _print_row(rows[-1])
+    for fn in (_b8_row, _prefill_row):
+        try:
+            rows.append(fn(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best))
+        except Exception as e:
+            rows.append(Row(fn.__name__, "tok/s", 0.0, hf_best, "", meets=False, extra={"error": repr(e)[:300]}))
+        _print_row(rows[-1])
+    rows.append(_fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default))
+    _print_row(rows[-1])
+    return rows
+
+
+def _b8_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
+    B8 = 2 if quick else 8
+    em8 = ember_from_hf(hf, cfg, max_seq_len=prompt_len + new + 8, max_batch_size=B8, net=em.net)
+    prompts8 = torch.randint(100, 500, (B8, prompt_len), generator=gen).tolist()
+    r8 = ember_decode(em8, prompts8, new)
+    agg = r8["tok_s"] * B8
+    return Row(f"qwen3_moe_30b_a3b_bf16_b{B8}", "tok/s", agg, hf_best, "HF generate batch 1 (tok/s)",
+               target=">= 1600 aggregate tok/s", meets=agg >= 1600,
+               extra={"per_row_tok_s": r8["tok_s"], "graph_step_ms": graph_step_ms(em8, B8) if ctx.on_gpu else None})
+
+
+def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
+    ctx.progress("prefill")
+    dev = ctx.device
+    long_ids = torch.randint(100, 500, (1, T), generator=gen).to(dev)
+    sync = torch.cuda.synchronize if ctx.on_gpu else (lambda: None)
+
+    def time_s(fn, reps=3):
+        fn(); sync()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter(); fn(); sync(); ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    em_long = ember_from_hf(hf, cfg, max_seq_len=T, net=em.net)
+    caches = [(k[:1], v[:1]) for k, v in em_long.caches]
+    with torch.no_grad():
+        t_em = time_s(lambda: em_long.net.prefill(long_ids, caches, last_only=True))
+        t_hf = time_s(lambda: hf(long_ids, logits_to_keep=1))
+    del em_long, caches
+    return Row(f"qwen3_moe_30b_a3b_bf16_prefill{T}", "tok/s", T / t_em, T / t_hf, "HF transformers forward (default)",
+               target=">= 2x HF", meets=t_hf / t_em >= 2.0, extra={"ember_s": t_em, "hf_s": t_hf})
+
+
+def _fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default):
+    ctx.progress("ember fp8 b1")
+    try:
+        em_fp8 = ember_from_hf(hf, cfg, fp8=True, max_seq_len=prompt_len + new + 8)
+        rf = ember_decode(em_fp8, [ids[0].tolist()], new)
+        extra = {"hf_default_tok_s": hf_default, "warmup_s": rf["warmup_s"]}
+        if ctx.on_gpu:
+            step_ms = graph_step_ms(em_fp8, 1)
+            floor_ms = decode_bytes(em_fp8.net) / COPY_BW * 1e3
+            extra.update(graph_step_ms=step_ms, floor_ms=floor_ms, fraction_of_roofline=floor_ms / step_ms)
+        return Row("qwen3_moe_30b_a3b_fp8_b1", "tok/s", rf["tok_s"], hf_best, "HF generate bf16 (faster setting)",
+                   target=">= 600 tok/s", meets=rf["tok_s"] >= 600, extra=extra)
+    except Exception as e:
+        return Row("qwen3_moe_30b_a3b_fp8_b1", "tok/s", 0.0, hf_best, "HF generate bf16 (faster setting)",
+                   target=">= 600 tok/s", meets=False, extra={"error": repr(e)[:300]})

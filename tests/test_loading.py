@@ -1,0 +1,205 @@
+"""ember.load: checkpoint formats (single file, sharded, stacked or per-expert experts, FP8 round trip
+through `ember quantize`) and bad input with clear errors."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ember
+from tests.models import tiny
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    hf = tiny.build(tiny.moe_config())
+    return hf, tiny.save(hf, tmp_path_factory.mktemp("moe"), tokenizer=True)
+
+
+def _ids():
+    return torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+
+
+def _close(a, b):
+    return (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
+
+
+def test_sharded_checkpoint(moe, tmp_path):
+    hf, _ = moe
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    with torch.no_grad():
+        ref = hf(_ids()).logits
+    assert _close(ember.load(tmp_path, max_seq_len=32)(_ids()), ref)
+
+
+def test_stacked_experts_checkpoint(moe, tmp_path):
+    hf, path = moe
+    sd = hf.state_dict()  # transformers 5.17 in-memory layout: mlp.experts.gate_up_proj [E, 2I, H]
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in sd)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with torch.no_grad():
+        ref = hf(_ids()).logits
+    assert _close(ember.load(tmp_path, max_seq_len=32)(_ids()), ref)
+
+
+@pytest.fixture(scope="module")
+def moe_aligned(tmp_path_factory):
+    """Projection sizes multiples of 128, so checkpoint block scales stack without requantising."""
+    hf = tiny.build(tiny.moe_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                    moe_intermediate_size=128, num_experts=4))
+    return hf, tiny.save(hf, tmp_path_factory.mktemp("moe128"), tokenizer=True)
+
+
+def _with_weights(hf, quantize):
+    """A copy of the transformers model whose projection / expert weights are replaced by
+    ``quantize(w) -> (q, scale)`` dequantised: the exact weights an FP8 model computes with."""
+    import copy
+    from ember.ops import fp8 as fp8_ops
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("proj.weight", "experts.gate_up_proj", "experts.down_proj")):
+                ws = p if p.dim() == 3 else p[None]
+                for e in range(ws.shape[0]):
+                    parts = ws[e].chunk(2) if name.endswith("gate_up_proj") else (ws[e],)  # gate, up quantised apart
+                    ws[e].copy_(torch.cat([fp8_ops.dequantize_fp8(*quantize(w), torch.float32) for w in parts]))
+    return ref
+
+
+def test_fp8_round_trip_through_quantize_cli(moe_aligned, tmp_path):
+    from ember.cli import main
+    from ember.ops import fp8 as fp8_ops
+    hf, path = moe_aligned
+    out = tmp_path / "fp8"
+    assert main(["quantize", str(path), str(out), "--fp8"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "fp8"
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.experts.3.up_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale_inv").dtype == torch.float32
+        assert f.get_tensor("model.layers.0.mlp.gate.weight").dtype == torch.float32  # router kept
+    em = ember.load(out, max_seq_len=32)
+    assert em.fp8 and em.tokenizer is not None
+    ref = _with_weights(hf, lambda w: fp8_ops.quantize_fp8(w, "block"))
+    with torch.no_grad():
+        want = ref(_ids()).logits
+    assert _close(em(_ids()), want)  # fp32 math on the same fp8 values: as tight as the bf16 oracle
+    prompt = _ids()
+    hf_tokens = ref.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)[0, 10:].tolist()
+    assert em.generate(prompt[0].tolist(), max_new_tokens=16, stop=[])[0][:16] == hf_tokens or 1 in hf_tokens
+
+
+def test_fp8_on_load_uses_row_scales_exactly(moe_aligned):
+    from ember.ops import fp8 as fp8_ops
+    hf, path = moe_aligned
+    em = ember.load(path, fp8=True, max_seq_len=32)
+    ref = _with_weights(hf, lambda w: fp8_ops.quantize_fp8(w, "row"))
+    with torch.no_grad():
+        want = ref(_ids()).logits
+    assert _close(em(_ids()), want)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        ember.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        ember.load(tmp_path / "nope")
+
+
+def test_unsupported_model_type_names_supported(moe, tmp_path):
+    _, path = moe
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'llama' is not supported; ember supports .*qwen3, .*qwen3_moe"):
+        ember.load(tmp_path)
+
+
+def _copy_with(path, tmp_path, cfg_edit=None, tensors_edit=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg_edit:
+        cfg_edit(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file
+    sd = load_file(str(path / "model.safetensors"))
+    if tensors_edit:
+        tensors_edit(sd)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def test_shape_mismatch_names_tensor_and_shapes(moe, tmp_path):
+    _, path = moe
+    p = _copy_with(path, tmp_path, cfg_edit=lambda c: c.update(moe_intermediate_size=16))
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight: expected shape \(16, 64\) .* got \(32, 64\)"):
+        ember.load(p)
+
+
+def test_missing_and_extra_tensors(moe, tmp_path):
+    _, path = moe
+    p = _copy_with(path, tmp_path / "a", tensors_edit=lambda sd: sd.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises((ValueError, KeyError), match="k_norm"):
+        ember.load(p)
+    p = _copy_with(path, tmp_path / "b", tensors_edit=lambda sd: sd.update({"model.layers.0.bonus.weight": torch.ones(2)}))
+    with pytest.raises(ValueError, match="unexpected tensor.*bonus"):
+        ember.load(p)
+
+
+def test_corrupt_safetensors(moe, tmp_path):
+    _, path = moe
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        ember.load(tmp_path)
+
+
+def test_pickle_only_checkpoint_is_refused(moe, tmp_path):
+    _, path = moe
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"whatever")
+    with pytest.raises(ValueError, match="never unpickles"):
+        ember.load(tmp_path)
+
+
+def test_prompt_and_batch_limits(moe):
+    _, path = moe
+    em = ember.load(path, max_seq_len=16, max_batch_size=2)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
+        em.generate(list(range(10)), max_new_tokens=7)
+    with pytest.raises(ValueError, match="larger than max_batch_size=2"):
+        em.generate([[1, 2]] * 3, max_new_tokens=2)
+    with pytest.raises(ValueError, match="outside"):
+        em.generate([[1, 500]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_seq_len: expected a positive int"):
+        ember.load(path, max_seq_len=0)
+
+
+def test_text_without_tokenizer(tmp_path):
+    p = tiny.save(tiny.build(tiny.dense_config()), tmp_path)
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        ember.load(p, max_seq_len=16).generate("hello", max_new_tokens=2)
+
+
+def test_generate_text_stop_and_stream(moe):
+    hf, path = moe
+    em = ember.load(path, max_seq_len=64, max_batch_size=2)
+    text = "once upon a time there lived a cat"
+    ids = em.tokenizer.encode(text)
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                      pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
+    ref_text = em.tokenizer.decode(ref)
+    assert em.generate(text, max_new_tokens=12, stop=[])[0] == ref_text or 1 in ref  # eos (id 1) stops early
+    if 1 not in ref:
+        assert "".join(em.stream(text, max_new_tokens=12)) == ref_text
+        # stopping on the 4th generated token id keeps the first three
+        assert em.generate(ids, max_new_tokens=12, stop=[ref[3]])[0] == ref[: ref.index(ref[3])]
+    # per-row sampling: seeded sampling is reproducible, and rows with the same seed agree
+    s = ember.SamplingParams(temperature=1.0, top_k=10, seed=3)
+    a = em.generate([ids, ids], max_new_tokens=6, sampling=[s, s])
+    assert a == em.generate([ids, ids], max_new_tokens=6, sampling=[s, s])
+    assert len(a[0]) <= 6

@@ -30,7 +30,7 @@ ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
 CAP = 512                 # candidate list per row (top-k / top-p path)
 TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
-INT64_MIN: tl.constexpr = -9223372036854775807 - 1
+INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -140,3 +140,27 @@ def test_unsupported_module():
         ember.vae.decode(torch.nn.Linear(2, 2), torch.randn(1, 4, 1, 2, 2))
     with pytest.raises(TypeError, match="got Linear"):
         ember.vae.optimize(torch.nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------ GPU (H200, diffusers wheel carried)
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["wan21", "wan22"])
+def test_gpu_bf16_matches_diffusers_same_tiles(cuda, name):
+    from ember.bench.vae import WAN_CONFIGS
+    with torch.device(cuda):
+        vae = AutoencoderKLWan(**WAN_CONFIGS[name]).to(torch.bfloat16).eval()
+    comp = VaeSpec(vae).comp
+    tile, overlap = 20 * comp, 4 * comp
+    z = torch.randn(1, vae.config.z_dim, 5, 28, 40, device=cuda, dtype=torch.bfloat16)
+    ref = diffusers_decode(vae, z, tile, overlap)
+    out = ember.vae.decode(vae, z, tile=tile, overlap=overlap, progress=False)
+    assert psnr(out, ref) >= 45
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_matches_cpu_fp32(cuda):
+    vae = make_vae("wan22")
+    z = torch.randn(1, 4, 3, 14, 18)
+    cpu = ember.vae.decode(vae, z, tile=160, overlap=32, progress=False)
+    gpu = ember.vae.decode(vae.to(cuda), z.to(cuda), tile=160, overlap=32, progress=False)
+    assert psnr(gpu.cpu(), cpu) >= 70

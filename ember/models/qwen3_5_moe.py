@@ -68,8 +68,10 @@ class GatedDeltaNet(nn.Module):
         """h [B, T, H] -> [B, T, H], continuing from (and updating) the given states (None: zeros)."""
         B, T, _ = h.shape
         qkv, z, b, a = self.proj(h).split(self.split, dim=-1)
+        # contiguous: the delta-rule kernel reads q/k/v with a unit stride in the head dim (a [B, T, C]
+        # transpose of the conv output has stride T there; prefill read garbage without this copy)
         qkv = ember.ops.causal_conv1d(qkv.transpose(1, 2), self.conv_weight, conv_state=conv_state,
-                                      activation="silu").transpose(1, 2)               # [B, T, conv_dim]
+                                      activation="silu").transpose(1, 2).contiguous()  # [B, T, conv_dim]
         kd = self.hk * self.dk
         q, k, v = qkv.split([kd, kd, self.hv * self.dv], dim=-1)
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)                          # [B, T, HV] fp32

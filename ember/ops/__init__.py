@@ -1,29 +1,24 @@
 """Public ops. Each family lives in ``ember/ops/<family>.py`` (validation, reference, registration,
-dispatch) with its kernels in ``ember/kernels/<family>.py``. Families import on first use.
+dispatch) with its kernels in ``ember/kernels/<family>.py`` (Triton, imported on first launch).
+
+The families are imported here, eagerly: two public functions share their module's name
+(``ember.ops.moe``, ``ember.ops.pad``), and a lazily imported submodule would replace the function
+on the package the first time anything imported the module. Importing costs no Triton.
 
 Example:
     >>> import torch, ember
     >>> normed, residual = ember.ops.add_rmsnorm(torch.randn(4, 64), torch.randn(4, 64), torch.ones(64))
 """
-import importlib
+from ember.ops.conv1d import causal_conv1d
+from ember.ops.deltanet import gated_delta_rule
+from ember.ops.fp8 import dequantize_fp8, quantize_fp8, scaled_mm
+from ember.ops.moe import moe, moe_experts, moe_route
+from ember.ops.norm import add_rmsnorm, add_rmsnorm_reference, rmsnorm
+from ember.ops.pad import pad
+from ember.ops.sampling import argmax, log_softmax, sample, softmax
 
-# public name -> module that defines it
-_FAMILY_OF = {
-    "add_rmsnorm": "norm", "add_rmsnorm_reference": "norm", "rmsnorm": "norm",
-    "softmax": "sampling", "log_softmax": "sampling", "argmax": "sampling", "sample": "sampling",
-    "quantize_fp8": "fp8", "dequantize_fp8": "fp8", "scaled_mm": "fp8",
-    "pad": "pad",
-    "causal_conv1d": "conv1d",
-    "gated_delta_rule": "deltanet",
-    "moe_route": "moe", "moe_experts": "moe", "moe": "moe",
-}
-__all__ = sorted(_FAMILY_OF)
-
-
-def __getattr__(name):
-    family = _FAMILY_OF.get(name)
-    if family is None:
-        raise AttributeError(f"module 'ember.ops' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"ember.ops.{family}"), name)
-    globals()[name] = value
-    return value
+__all__ = [
+    "add_rmsnorm", "add_rmsnorm_reference", "argmax", "causal_conv1d", "dequantize_fp8", "gated_delta_rule",
+    "log_softmax", "moe", "moe_experts", "moe_route", "pad", "quantize_fp8", "rmsnorm", "sample", "scaled_mm",
+    "softmax",
+]

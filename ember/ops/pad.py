@@ -11,8 +11,6 @@ path, and on some backends (Apple GPUs, rank-5, H*W >= 65536) it has silently co
 """
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Sequence
 
 import torch
@@ -187,16 +185,3 @@ def pad(x: torch.Tensor, pad: Sequence[int], value: float = 0.0, *, out: torch.T
         _pad_out_op(x, list(pad), float(value), out)
         return out
     return _impl(x, amounts, shape, value, out)
-
-
-# ----------------------------------------------------------------------------- module == function
-# The family module and its op share the name ``pad``: once ``ember.ops.pad`` is imported as a module
-# (``from ember.ops.pad import pad_reference``), Python binds the package attribute ``ember.ops.pad``
-# to the module, shadowing the lazily-bound function. Making the module callable keeps
-# ``ember.ops.pad(x, ...)`` working whichever was bound first.
-class _CallableModule(types.ModuleType):
-    def __call__(self, x, pad, value=0.0, *, out=None):
-        return globals()["pad"](x, pad, value, out=out)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -31,7 +31,7 @@ from torch import nn
 
 import ember.ops
 from ember.models import _common, _hybrid, qwen3_moe
-from ember.ops import moe as moe_ops
+from ember.ops.moe import moe_experts  # the submodule: ember.ops.moe may also name the moe() function
 
 MODEL_TYPE = "lfm2_moe"
 LAYER_TYPES = ("conv", "full_attention")
@@ -104,7 +104,7 @@ class Lfm2SparseMoe(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])
         weights, ids = self.route(x)
-        y = moe_ops.moe_experts(x, self.w_gate_up, self.w_down, weights, ids, gate_up_scale=self.gate_up_scale,
+        y = moe_experts(x, self.w_gate_up, self.w_down, weights, ids, gate_up_scale=self.gate_up_scale,
                                 down_scale=self.down_scale, check=False)  # ids come from topk: in range
         return y.reshape(h.shape)
 

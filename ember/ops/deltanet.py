@@ -67,6 +67,9 @@ def _impl(q, k, v, g, beta, state, l2norm_qk):
         if state is not None:
             state.copy_(new_state)
         return o
+    # the kernel walks the head dim with unit stride; other strides are copied (a slice of a fused
+    # qkv projection is already unit-stride, so models pay nothing)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     B, T, HK, DK = q.shape
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     st = state if state is not None else torch.empty(B, v.shape[2], DK, v.shape[3], dtype=torch.float32,

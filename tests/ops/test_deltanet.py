@@ -60,6 +60,14 @@ def test_kernel_matches_reference_interpreter(interpreter, dtype, B, T, HK, HV, 
     torch.testing.assert_close(state, s_exp, atol=1e-5, rtol=1e-5)
 
 
+def test_kernel_any_head_dim_stride_interpreter(interpreter):
+    q, k, v, g, beta = _inputs(1, 2, 2, 2, 8, 8)
+    q_strided = torch.randn(1, 2, 2, 16)[..., ::2]  # head dim with stride 2
+    q_strided.copy_(q)
+    exp = deltanet.gated_delta_rule_reference(q, k, v, g, beta)[0]
+    assert_close(ember.ops.gated_delta_rule(q_strided, k, v, g, beta), exp, torch.float32)
+
+
 def test_kernel_without_state_interpreter(interpreter):
     q, k, v, g, beta = _inputs(1, 2, 1, 1, 8, 8)
     assert_close(ember.ops.gated_delta_rule(q, k, v, g, beta),

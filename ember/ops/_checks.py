@@ -65,5 +65,11 @@ def positive_float(name: str, v) -> float:
 
 
 def capturing() -> bool:
-    """True inside CUDA-graph capture, where syncing value checks must be skipped."""
+    """True inside CUDA-graph capture or torch.compile tracing, where syncing value checks are skipped.
+
+    The compile test comes first: dynamo cannot trace ``is_current_stream_capturing`` (it returns a
+    Python bool), which broke fullgraph compiles on the GPU.
+    """
+    if torch.compiler.is_compiling():
+        return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

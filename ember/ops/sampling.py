@@ -318,7 +318,7 @@ def _(x, dim):
 
 @torch.library.custom_op("ember::sample", mutates_args=("offset",))
 def _sample_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               min_p: torch.Tensor, seed: torch.Tensor | None, offset: torch.Tensor | None) -> torch.Tensor:
+               min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     return _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, None)
 
 
@@ -409,7 +409,9 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         seed_t = seed if seed is None or isinstance(seed, torch.Tensor) else torch.tensor([seed], device=dev)
         if seed_t is None:
             seed_t = torch.randint(0, 1 << 62, (1,), device=dev, generator=generator)
-        offset_t = offset if offset is None or isinstance(offset, torch.Tensor) else torch.tensor([offset], device=dev)
+        # the registered op takes plain tensors: inductor cannot lower a mutated Optional[Tensor]
+        # ("getitem is not an OpOverload"), so a missing offset becomes a fresh zero counter
+        offset_t = offset if isinstance(offset, torch.Tensor) else torch.tensor([offset or 0], dtype=torch.int64, device=dev)
         return _sample_op(logits, _as_tensor(temperature, B, torch.float32, dev), _as_tensor(top_k, B, torch.int64, dev),
                           _as_tensor(top_p, B, torch.float32, dev), _as_tensor(min_p, B, torch.float32, dev),
                           seed_t, offset_t)

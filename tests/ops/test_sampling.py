@@ -370,3 +370,15 @@ def test_gpu_compile_fullgraph(cuda):
     sm, tok = f(x)
     torch.testing.assert_close(sm.double(), torch.softmax(x.double(), -1), **SOFTMAX_TOL)
     assert bool((S.sampling_probs_reference(x, top_k=20)[torch.arange(4), tok.cpu()] > 0).all())
+
+
+def test_compile_inductor_sample_cpu():
+    """Inductor (not just aot_eager) lowers the registered sample op, offset counter included."""
+    x = torch.randn(3, 500)
+    seed, off = torch.tensor([7]), torch.zeros(1, dtype=torch.int64)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: ember.ops.sample(x, top_k=5, seed=seed, offset=off), fullgraph=True)
+    tok = f(x)
+    assert off.item() == 1  # the counter advanced, so the next call draws fresh numbers
+    allowed = S.sampling_probs_reference(x, top_k=5)[torch.arange(3), tok] > 0
+    assert bool(allowed.all())

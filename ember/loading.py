@@ -12,6 +12,7 @@ per output row when quantising on load). The router, norms, embeddings and lm_he
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -101,13 +102,13 @@ def _tensor_bytes(files: dict[str, Path], dtype: torch.dtype, fp8: bool) -> int:
     return total
 
 
-def _check_memory(device: torch.device, needed: int) -> None:
+def _check_memory(device: torch.device, needed: int, what: str) -> None:
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
     if needed > free:
         raise MemoryError(f"not enough GPU memory on {device} to load: need ~{needed / 1e9:.2f} GB "
-                          f"(weights + KV cache), {free / 1e9:.2f} GB free")
+                          f"({what}), {free / 1e9:.2f} GB free (lower max_seq_len / max_batch_size, or fp8=True)")
 
 
 def _resolve_dtype(cfg: dict, dtype, device: torch.device) -> torch.dtype:
@@ -212,10 +213,7 @@ def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int =
                          f"(expected [{BLOCK}, {BLOCK}])")
     dtype = _resolve_dtype(cfg, dtype, device)
     files = checkpoint_files(path)
-    attn = _common.AttentionConfig.from_hf(cfg)
-    kv_bytes = (2 * cfg["num_hidden_layers"] * max_batch_size * attn.num_kv_heads * max_seq_len * attn.head_dim
-                * torch.empty((), dtype=dtype).element_size())
-    _check_memory(device, _tensor_bytes(files, dtype, fp8) + kv_bytes)
+    _check_memory(device, _tensor_bytes(files, dtype, fp8), "weights")
 
     handles: dict[Path, object] = {}
 
@@ -236,6 +234,9 @@ def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int =
         shown = ", ".join(extra[:8]) + (f" and {len(extra) - 8} more" if len(extra) > 8 else "")
         raise ValueError(f"checkpoint: unexpected tensor(s) the {cfg['model_type']} config does not use: {shown}")
     net.eval()
+    cache_bytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                      for layer in net.cache_specs(max_batch_size, max_seq_len, dtype) for shape, dt in layer)
+    _check_memory(device, cache_bytes, "KV cache and recurrent state")
     return Model(net, cfg, load_tokenizer(path), max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                  eos_ids=_eos_ids(path, cfg), fp8=fp8 or bool(quant), name=path.name)
 

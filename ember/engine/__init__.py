@@ -63,10 +63,12 @@ class Model:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.device, self.dtype = net.embed.device, net.embed.dtype
-        c = net.attn_cfg
-        shape = (max_batch_size, c.num_kv_heads, max_seq_len, c.head_dim)
-        self.caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                        torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in net.layers]
+        # per layer: (k, v) for attention, the conv / recurrent state for hybrid mixers; batch first
+        self.caches = net.allocate_caches(max_batch_size, max_seq_len, self.dtype, self.device)
+        # State that a decode step advances in place (not append-only like a KV cache): the warm-up
+        # steps before capture must not leave it changed.
+        self._recurrent_state = [t for layer, cache in zip(net.layers, self.caches)
+                                 if hasattr(layer.attn, "cache_spec") for t in cache]
         B, dev = max_batch_size, self.device
         # Static decode state: the CUDA graph reads and advances these in place.
         self._tokens = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -134,7 +136,8 @@ class Model:
         The warm-up steps advance the state and write cache entries past the live length; the
         state is restored afterwards and those entries are overwritten before anything reads them.
         """
-        saved = [t.clone() for t in (self._tokens, self._positions, self._seq_lens, self._offset)]
+        live = [self._tokens, self._positions, self._seq_lens, self._offset, *self._recurrent_state]
+        saved = [t.clone() for t in live]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -144,7 +147,7 @@ class Model:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._step(B)
-        for t, s in zip((self._tokens, self._positions, self._seq_lens, self._offset), saved):
+        for t, s in zip(live, saved):
             t.copy_(s)
         torch.cuda.synchronize(self.device)
         return graph
@@ -241,7 +244,7 @@ class Model:
             t0 = time.perf_counter()
             last = []
             for b, p in enumerate(ids):  # each prompt into its own cache row, outside the graph
-                row_caches = [(k[b:b + 1], v[b:b + 1]) for k, v in self.caches]
+                row_caches = [tuple(t[b:b + 1] for t in layer) for layer in self.caches]
                 last.append(self.net.prefill(torch.tensor([p], device=self.device), row_caches, last_only=True))
             logits = torch.cat(last)                                                   # [B, V]
             first = self._next_tokens(logits, B)

@@ -171,6 +171,31 @@ class CausalLM(nn.Module):
     def vocab_size(self) -> int:
         return self.embed.shape[0]
 
+    def cache_specs(self, max_batch_size: int, max_seq_len: int,
+                    dtype: torch.dtype) -> list[tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
+        """One tuple of ``(shape, dtype)`` per layer, batch first: (k, v) [B, KVH, S, D] for attention;
+        a mixer with its own ``cache_spec`` (short conv, DeltaNet, gated attention) describes its state."""
+        if max_seq_len > self.cos.shape[0]:
+            raise ValueError(f"max_seq_len: expected at most {self.cos.shape[0]} (the RoPE table the model was "
+                             f"built with), got {max_seq_len}")
+        specs = []
+        for layer in self.layers:
+            mixer = layer.attn
+            if hasattr(mixer, "cache_spec"):
+                specs.append(mixer.cache_spec(max_batch_size, max_seq_len, dtype))
+            else:
+                kv = ((max_batch_size, mixer.cfg.num_kv_heads, max_seq_len, mixer.cfg.head_dim), dtype)
+                specs.append((kv, kv))
+        return specs
+
+    def allocate_caches(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
+                        device=None) -> list[tuple[torch.Tensor, ...]]:
+        """Zeroed caches laid out as :meth:`cache_specs` says (what the engine allocates once)."""
+        dtype = dtype or self.embed.dtype
+        device = device or self.embed.device
+        return [tuple(torch.zeros(shape, dtype=dt, device=device) for shape, dt in layer)
+                for layer in self.cache_specs(max_batch_size, max_seq_len, dtype)]
+
     def _run(self, x: torch.Tensor, attend, last_only: bool = False) -> torch.Tensor:
         normed, residual = ember.ops.rmsnorm(x, self.layers[0].ln1, self.eps), x
         for i, layer in enumerate(self.layers):
@@ -195,7 +220,7 @@ class CausalLM(nn.Module):
                          last_only)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
-               caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+               caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """tokens [B] at positions [B] (seq_lens = positions + 1, int32) -> logits [B, V]."""
         x = F.embedding(tokens, self.embed)
         return self._run(x, lambda i, attn, h: attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i]))

@@ -1,6 +1,6 @@
 """Pieces shared by the hybrid model files (``lfm2_moe.py``: short convolutions + attention;
-``qwen3_5_moe.py``: gated DeltaNet + gated attention): the decoder skeleton with per-layer cache
-specs, a renamed view of a checkpoint, and linears built from a float weight the model file
+``qwen3_5_moe.py``: gated DeltaNet + gated attention): the decoder skeleton (per-layer cache specs
+live in ``_common.CausalLM``), a renamed view of a checkpoint, and linears built from a float weight the model file
 rearranged (bf16 or FP8).
 
 The skeleton is ``_common.CausalLM``: each layer's mixer (``layer.attn``) only needs
@@ -46,30 +46,6 @@ class HybridLM(_common.CausalLM):
     @property
     def max_seq_len(self) -> int:
         return self.cos.shape[0]
-
-    def cache_specs(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype) -> list[tuple[CacheSpec, ...]]:
-        """One tuple of ``(shape, dtype)`` per layer, batch first: (k, v) for attention layers, the
-        conv / recurrent state for the others."""
-        if max_seq_len > self.max_seq_len:
-            raise ValueError(f"max_seq_len: expected at most {self.max_seq_len} (the RoPE table the model was "
-                             f"built with), got {max_seq_len}")
-        specs = []
-        for layer in self.layers:
-            mixer = layer.attn
-            if hasattr(mixer, "cache_spec"):
-                specs.append(mixer.cache_spec(max_batch_size, max_seq_len, dtype))
-            else:  # a plain _common.Attention
-                kv = ((max_batch_size, mixer.cfg.num_kv_heads, max_seq_len, mixer.cfg.head_dim), dtype)
-                specs.append((kv, kv))
-        return specs
-
-    def allocate_caches(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
-                        device=None) -> list[tuple[torch.Tensor, ...]]:
-        """Zeroed caches laid out as :meth:`cache_specs` says (what an engine allocates once)."""
-        dtype = dtype or self.embed.dtype
-        device = device or self.embed.device
-        return [tuple(torch.zeros(shape, dtype=dt, device=device) for shape, dt in layer)
-                for layer in self.cache_specs(max_batch_size, max_seq_len, dtype)]
 
 
 def kv_cache_spec(max_batch_size: int, max_seq_len: int, dtype: torch.dtype, num_kv_heads: int,

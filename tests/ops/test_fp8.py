@@ -401,11 +401,11 @@ def test_gpu_matches_float64(cuda, kind_a, kind_b, M, K, N):
     assert snr_db(got16, exp) >= 40
 
 
-@pytest.mark.gpu
 _MMA_GAP = pytest.mark.xfail(strict=False, reason="fp8 MMA accumulation is less precise than cuBLAS's promoted "
                              "accumulation: off by > 2 bf16 ulps at K=4096 on the H200 (known gap)")
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 3, 16, pytest.param(17, marks=_MMA_GAP), pytest.param(255, marks=_MMA_GAP),
                                pytest.param(4096, marks=_MMA_GAP)])
 @pytest.mark.parametrize("kind", ["tensor", "row"])

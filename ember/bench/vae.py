@@ -123,7 +123,8 @@ def decode_row(ctx: BenchContext, name, cfg, frames, h, w, t_target, gb_target, 
         torch.cuda.empty_cache()
     (du_s, du_gb), (dt_s, dt_gb) = results[False], results[True]
     row = Row(name, "s", s, du_s, "diffusers 0.42.1 AutoencoderKLWan.decode, untiled",
-              target=f"<= {t_target} s and peak_GB <= {gb_target}", meets=s <= t_target and gb <= gb_target,
+              target=f"<= {t_target} s and peak_GB <= {gb_target}",
+              meets=(s <= t_target and gb <= gb_target) if ctx.on_gpu else None,  # no GPU peak memory on CPU
               extra={"peak_GB": gb, "diffusers_untiled_s": du_s, "diffusers_untiled_peak_GB": du_gb,
                      "diffusers_tiled_s": dt_s, "diffusers_tiled_peak_GB": dt_gb,
                      "speedup_vs_diffusers_tiled": dt_s / s, "psnr_vs_diffusers_untiled_db": quality,

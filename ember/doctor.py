@@ -28,6 +28,7 @@ FAMILIES = {
     "pad": "ember.ops.pad",
     "conv1d": "ember.ops.conv1d",
     "deltanet": "ember.ops.deltanet",
+    "attention": "ember.ops.attention",
 }
 # Families whose fast path needs more than "a GPU Triton can compile for".
 FP8_TENSOR_CORE_MIN_CC = (8, 9)

@@ -26,6 +26,7 @@ import time
 import torch
 
 from ember.bench import BenchContext, Row
+from ember.bench import moe as moe_bench
 
 COPY_BW = 4.155e12
 PROMPT, STEPS, HF_NEW = 128, 128, 16
@@ -85,17 +86,9 @@ def decode_bytes(net) -> int:
 
 
 def hf_decode_tok_s(model, ids, new_tokens: int) -> float:
-    """HF generate decode rate: (time of n+1 tokens - time of 1 token) / n, as baseline_h200.py does."""
-    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
-        sync(); t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        sync(); t1 = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, **kw)
-        sync(); t2 = time.perf_counter()
-    return new_tokens / ((t2 - t1) - (t1 - t0))
+    """HF generate decode rate with an explicit all-ones mask (without it, generate treats prompt
+    tokens equal to pad_token_id as padding and masks them out of the conv states)."""
+    return moe_bench.hf_decode_tok_s(model, ids, new_tokens, attention_mask=torch.ones_like(ids))
 
 
 def ember_decode(net, ids: torch.Tensor, steps: int) -> dict:

@@ -73,3 +73,14 @@ def capturing() -> bool:
     if torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """A 2-d [rows, n] view of ``t`` over its last dim with unit stride there, for row kernels
+    (copies only when no such view exists)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-1]).contiguous()

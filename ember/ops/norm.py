@@ -46,22 +46,12 @@ def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight
 
 
 # ----------------------------------------------------------------------------- implementation
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A 2-d [rows, H] view with a contiguous last dim (copies only when no such view exists)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.reshape(-1, t.shape[-1]).contiguous()
-
-
 def _impl(x, residual, weight, eps):
     if not _dispatch.use_triton(x):
         return add_rmsnorm_reference(x, residual, weight, eps)
     k = _dispatch.kernels("norm")
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else None
+    x2 = _checks.rows_2d(x)
+    r2 = _checks.rows_2d(residual) if residual is not None else None
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     k.add_rmsnorm(x2, r2, weight.contiguous(), eps, out.view(-1, x.shape[-1]),

@@ -246,23 +246,13 @@ def sample_reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, see
 
 
 # ----------------------------------------------------------------------------- implementation
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A 2-d [rows, n] view with a contiguous last dim (copies only when no such view exists)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.reshape(-1, t.shape[-1]).contiguous()
-
-
 def _softmax_impl(x: torch.Tensor, dim: int, temperature: float | None, log: bool) -> torch.Tensor:
     if not _dispatch.use_triton(x):
         return (log_softmax_reference if log else softmax_reference)(x, dim, temperature)
     xm = x.movedim(dim, -1)
     out = torch.empty(xm.shape, dtype=torch.float32, device=x.device)
     if out.numel():
-        _dispatch.kernels("sampling").softmax(_rows(xm), out.view(-1, xm.shape[-1]),
+        _dispatch.kernels("sampling").softmax(_checks.rows_2d(xm), out.view(-1, xm.shape[-1]),
                                               1.0 if temperature is None else temperature, log)
     return out.movedim(-1, dim)
 
@@ -273,7 +263,7 @@ def _argmax_impl(x: torch.Tensor, dim: int) -> torch.Tensor:
     xm = x.movedim(dim, -1)
     out = torch.empty(xm.shape[:-1], dtype=torch.int64, device=x.device)
     if out.numel():
-        _dispatch.kernels("sampling").argmax(_rows(xm), out.view(-1))
+        _dispatch.kernels("sampling").argmax(_checks.rows_2d(xm), out.view(-1))
     return out
 
 
@@ -287,7 +277,7 @@ def _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generat
         # a fresh seed from torch's generator, on the device: no host sync, and graph-safe (each
         # replay of a captured graph advances the generator's philox offset)
         seed = torch.randint(0, 1 << 62, (1,), device=logits.device, generator=generator)
-    _dispatch.kernels("sampling").sample(_rows(logits), out, temperature, top_k, top_p, min_p, seed, offset)
+    _dispatch.kernels("sampling").sample(_checks.rows_2d(logits), out, temperature, top_k, top_p, min_p, seed, offset)
     return out
 
 

@@ -47,7 +47,12 @@ def _cmd_bench(args) -> int:
         for name in chosen:
             def report(msg, name=name):
                 progress.update(task, description=f"[{name}] {msg}")
-            results[name] = bench.run_suite(name, quick=args.quick, device=args.device, progress=report)
+            try:
+                results[name] = bench.run_suite(name, quick=args.quick, device=args.device, progress=report)
+            except ModuleNotFoundError as e:  # a stock baseline library is missing
+                print(f"ember bench {name}: needs the package {e.name!r} for its baseline; "
+                      "install the bench extra: pip install 'ember[bench]' (or -e \".[bench]\")", file=sys.stderr)
+                return 2
     for name, rows in results.items():
         table = Table(title=f"ember bench {name}" + (" (quick)" if args.quick else ""))
         for col in ("row", "unit", "ember", "baseline", "speedup", "target", "meets"):

@@ -43,3 +43,15 @@ def test_cli_bench_needs_a_suite(capsys):
 def test_cli_bench_unknown_suite(capsys):
     assert cli.main(["bench", "nope"]) == 2
     assert "unknown suite 'nope'" in capsys.readouterr().err
+
+
+def test_cli_names_a_missing_baseline_package(monkeypatch, capsys):
+    import ember.bench as b
+
+    def missing(*a, **k):
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(b, "run_suite", missing)
+    assert cli.main(["bench", "norm", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "'transformers'" in err and "ember[bench]" in err

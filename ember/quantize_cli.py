@@ -1,11 +1,13 @@
 """``ember quantize DIR OUT --fp8``: write an FP8 copy of a checkpoint that ``ember.load`` (and
 transformers' fine-grained FP8 loader) reads back.
 
-Format (Hugging Face fine-grained FP8): every attention / MLP / expert projection weight
-``*.{q,k,v,o,gate,up,down}_proj.weight`` becomes float8_e4m3fn with a float32
+Format (Hugging Face fine-grained FP8): every linear projection weight (a 2-d ``*.weight``:
+attention q/k/v/o, MLP and shared-expert projections, LFM2's conv ``in_proj``/``out_proj`` and
+``w1/w2/w3``, Qwen3.5's DeltaNet ``in_proj_*``/``out_proj``) becomes float8_e4m3fn with a float32
 ``*.weight_scale_inv`` decode scale per 128x128 block; experts are written per expert
-(``mlp.experts.N.gate_proj.weight``) even when the source stacks them; embeddings, norms, the router
-and lm_head are copied unchanged. config.json gains ``quantization_config`` {quant_method: fp8,
+(``mlp.experts.N.gate_proj.weight``, LFM2: ``feed_forward.experts.N.w1.weight``) even when the source
+stacks them; embeddings, norms, routers, the shared-expert gate, convolutions, lm_head and any
+vision / multi-token-prediction weights are copied unchanged. config.json gains ``quantization_config`` {quant_method: fp8,
 weight_block_size: [128, 128]}; tokenizer and generation files are copied.
 
 Example:
@@ -16,7 +18,10 @@ from __future__ import annotations
 import sys
 
 HELP = "write an FP8 (128x128 block) copy of a checkpoint"
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Substrings of weights that stay in their dtype: they are small, or set the logits / routing.
+KEEP = ("embed_tokens", "lm_head", "norm", ".gate.weight", "shared_expert_gate", "visual", "mtp.")
+# stacked experts: parent name -> per-expert (gate, up, down) names of that family's checkpoints
+EXPERT_NAMES = {"mlp.experts": ("gate_proj", "up_proj", "down_proj"), "feed_forward.experts": ("w1", "w3", "w2")}
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
               "special_tokens_map.json", "vocab.json", "merges.txt")
 SHARD_BYTES = 4 * 1024 ** 3
@@ -29,9 +34,17 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None, help="where to quantise (default cuda when present)")
 
 
-def _quantizable(name: str, t) -> bool:
-    parts = name.split(".")
-    return t.dim() == 2 and len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in PROJ and t.is_floating_point()
+def quantizable(name: str, t) -> bool:
+    """Whether ``ember quantize`` converts this 2-d weight (stacked experts are handled apart)."""
+    return t.dim() == 2 and name.endswith(".weight") and t.is_floating_point() and not any(k in name for k in KEEP)
+
+
+def _stacked_experts(name: str, t):
+    """(parent prefix, per-expert names) when ``name`` is a stacked gate_up / down expert tensor."""
+    for parent, names in EXPERT_NAMES.items():
+        if t.dim() == 3 and name.endswith((f"{parent}.gate_up_proj", f"{parent}.down_proj")):
+            return name.rsplit(".", 1)[0], names
+    return None
 
 
 def quantize_checkpoint(src, out, device=None) -> int:
@@ -84,16 +97,17 @@ def quantize_checkpoint(src, out, device=None) -> int:
         if f not in handles:
             handles[f] = _open(f)
         t = handles[f].get_tensor(name)
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and t.dim() == 3:
-            base = name.rsplit(".", 1)[0]  # stacked experts -> per expert, HF FP8 layout
+        stacked = _stacked_experts(name, t)
+        if stacked:  # stacked experts -> per expert, the HF FP8 layout
+            base, (gate_n, up_n, down_n) = stacked
             for e in range(t.shape[0]):
                 if name.endswith("gate_up_proj"):
                     g, u = t[e].chunk(2, 0)
-                    put_quantized(f"{base}.{e}.gate_proj.weight", g)
-                    put_quantized(f"{base}.{e}.up_proj.weight", u)
+                    put_quantized(f"{base}.{e}.{gate_n}.weight", g)
+                    put_quantized(f"{base}.{e}.{up_n}.weight", u)
                 else:
-                    put_quantized(f"{base}.{e}.down_proj.weight", t[e])
-        elif _quantizable(name, t):
+                    put_quantized(f"{base}.{e}.{down_n}.weight", t[e])
+        elif quantizable(name, t):
             put_quantized(name, t)
         else:
             put(name, t)
@@ -104,7 +118,8 @@ def quantize_checkpoint(src, out, device=None) -> int:
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": [128, 128],
-                                  "modules_to_not_convert": ["lm_head", "embed_tokens", "mlp.gate"]}
+                                  "modules_to_not_convert": ["lm_head", "embed_tokens", "mlp.gate", "feed_forward.gate",
+                                                             "shared_expert_gate", "visual", "mtp"]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for extra in COPY_FILES:
         if (src / extra).is_file():

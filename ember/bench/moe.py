@@ -219,6 +219,8 @@ def run(ctx: BenchContext) -> list[Row]:
         _print_row(rows[-1])
     rows.append(_fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default))
     _print_row(rows[-1])
+    rows.append(_hf_backend_row(ctx, hf, hf_ids, hf_default, quick))
+    _print_row(rows[-1])
     return rows
 
 
@@ -271,3 +273,18 @@ def _fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default):
     except Exception as e:
         return Row("qwen3_moe_30b_a3b_fp8_b1", "tok/s", 0.0, hf_best, "HF generate bf16 (faster setting)",
                    target=">= 600 tok/s", meets=False, extra={"error": repr(e)[:300]})
+
+
+def _hf_backend_row(ctx, hf, hf_ids, hf_default, quick):
+    """Stock transformers generate with experts_implementation="ember" against its default backend:
+    the speed a user gets without converting the model (same model, same run)."""
+    from ember.integrations import hf_experts
+    previous = hf.config._experts_implementation
+    ctx.progress("HF generate with the ember experts backend")
+    hf_experts.enable(hf)
+    try:
+        tok_s = hf_decode_tok_s(hf, hf_ids, 8 if quick else 32)
+    finally:
+        hf.set_experts_implementation(previous)
+    return Row("hf_experts_backend_ember", "tok/s", tok_s, hf_default,
+               f"HF transformers generate, default experts backend ({previous})", target="report", meets=None)

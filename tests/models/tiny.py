@@ -64,3 +64,11 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|eos|>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}))
+
+
+if __name__ == "__main__":  # python -m tests.models.tiny DIR: a tiny Qwen3-MoE checkpoint to try ember on
+    import sys
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-qwen3-moe")
+    # vocabulary = the tokenizer's words, so every sampled id decodes to a word
+    save(build(moe_config(vocab_size=len(SPECIALS) + len(WORDS))), out, tokenizer=True)
+    print(f"wrote a tiny random Qwen3-MoE checkpoint with a word-level tokenizer to {out}")

@@ -44,11 +44,11 @@ _IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
 # ----------------------------------------------------------------------------- gated DeltaNet
 class GatedDeltaNet(nn.Module):
-    def __init__(self, proj: nn.Module, conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-                 norm: torch.Tensor, out_proj: nn.Module, *, num_k_heads: int, num_v_heads: int, k_dim: int,
-                 v_dim: int, eps: float):
+    def __init__(self, proj: nn.Module, proj_ba: nn.Module, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                 dt_bias: torch.Tensor, norm: torch.Tensor, out_proj: nn.Module, *, num_k_heads: int,
+                 num_v_heads: int, k_dim: int, v_dim: int, eps: float):
         super().__init__()
-        self.proj, self.out_proj = proj, out_proj
+        self.proj, self.proj_ba, self.out_proj = proj, proj_ba, out_proj  # [qkv | z], [b | a]
         self.conv_weight = nn.Parameter(conv_weight, requires_grad=False)             # [conv_dim, K]
         # float32 as transformers computes them (A_log.float().exp(), a.float() + dt_bias)
         self.neg_a = nn.Parameter(-a_log.float().exp(), requires_grad=False)           # [HV]
@@ -57,7 +57,7 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv, self.dk, self.dv, self.eps = num_k_heads, num_v_heads, k_dim, v_dim, eps
         kd, vd = num_k_heads * k_dim, num_v_heads * v_dim
         self.conv_dim = 2 * kd + vd
-        self.split = [self.conv_dim, vd, num_v_heads, num_v_heads]                     # qkv | z | b | a
+        self.split = [self.conv_dim, vd]                                               # qkv | z
 
     def cache_spec(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype):
         K = self.conv_weight.shape[1]
@@ -67,7 +67,8 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, h: torch.Tensor, conv_state, state) -> torch.Tensor:
         """h [B, T, H] -> [B, T, H], continuing from (and updating) the given states (None: zeros)."""
         B, T, _ = h.shape
-        qkv, z, b, a = self.proj(h).split(self.split, dim=-1)
+        qkv, z = self.proj(h).split(self.split, dim=-1)
+        b, a = self.proj_ba(h).split([self.hv, self.hv], dim=-1)
         # contiguous: the delta-rule kernel reads q/k/v with a unit stride in the head dim (a [B, T, C]
         # transpose of the conv output has stride T there; prefill read garbage without this copy)
         qkv = ember.ops.causal_conv1d(qkv.transpose(1, 2), self.conv_weight, conv_state=conv_state,
@@ -227,10 +228,16 @@ def _build_deltanet(src: _common.TensorSource, cfg: dict, prefix: str, *, fp8: b
     _hybrid.check_dim("linear_num_value_heads", hv, f"{prefix}.A_log", a_shape, 0)
     n_shape = _hybrid.raw_shape(src, f"{prefix}.norm.weight")
     _hybrid.check_dim("linear_value_head_dim", dv, f"{prefix}.norm.weight", n_shape, 0)
-    proj = _common.concat_linear(src, [f"{prefix}.in_proj_qkv", f"{prefix}.in_proj_z", f"{prefix}.in_proj_b",
-                                       f"{prefix}.in_proj_a"], [conv_dim, hv * dv, hv, hv], H, fp8=fp8)
+    proj = _common.concat_linear(src, [f"{prefix}.in_proj_qkv", f"{prefix}.in_proj_z"], [conv_dim, hv * dv], H,
+                                 fp8=fp8)
+    # The beta / decay projections ([HV, H] each, 2 x 32 rows in the released models) never fill a
+    # 128-row FP8 block: fused with qkv|z they forced the loader to requantise the whole projection
+    # per row (one more rounding than the checkpoint). Apart, qkv|z keeps its checkpoint blocks and
+    # these tiny rows stay in the model dtype (dequantised exactly from an FP8 checkpoint).
+    proj_ba = _common.Linear(torch.cat([_hybrid.float_weight(src, f"{prefix}.in_proj_b", hv, H),
+                                        _hybrid.float_weight(src, f"{prefix}.in_proj_a", hv, H)]))
     out = _common.make_linear(src, f"{prefix}.out_proj", H, hv * dv, fp8=fp8)
-    return GatedDeltaNet(proj, src.get(w_name, (conv_dim, 1, K))[:, 0].contiguous(), src.get(f"{prefix}.A_log", (hv,)),
+    return GatedDeltaNet(proj, proj_ba, src.get(w_name, (conv_dim, 1, K))[:, 0].contiguous(), src.get(f"{prefix}.A_log", (hv,)),
                          src.get(f"{prefix}.dt_bias", (hv,)), src.get(f"{prefix}.norm.weight", (dv,)), out,
                          num_k_heads=hk, num_v_heads=hv, k_dim=dk, v_dim=dv, eps=eps)
 

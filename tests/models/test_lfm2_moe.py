@@ -98,6 +98,7 @@ def fake_quantized(model):
     from ember.ops import fp8 as fp8_ops
     model = copy.deepcopy(model)
     keep = ("embed_tokens", "lm_head", "mlp.gate.weight", "feed_forward.gate.weight", "shared_expert_gate",
+            "in_proj_b", "in_proj_a",  # Qwen3.5's beta/decay rows stay in the model dtype
             "conv.weight", "conv1d.weight")
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything the H200 has to run, for one device call per group (each call is limited to 10 minutes):
+#   bash bench/run_h200.sh tests                  # every GPU test, in parallel processes (~2 min)
+#   bash bench/run_h200.sh norm sampling fp8      # fast suites (~3 min)
+#   bash bench/run_h200.sh moe_ops moe            # MoE suites (~5 min)
+#   bash bench/run_h200.sh moe_hybrid             # LFM2 / Qwen3.5 (HF baselines are slow)
+#   bash bench/run_h200.sh vae                    # needs the diffusers wheel in .whl/ (README of the device tool)
+# Results land in $OUT (or ./out): <suite>.json, gpu_tests.txt, doctor.txt; copy them to bench/results/h200/.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+python -m ember doctor > "$OUT/doctor.txt"
+for what in "$@"; do
+  if [ "$what" = tests ]; then
+    timeout 400 python -m pytest -m gpu -n 14 -q --tb=line -p no:cacheprovider tests/ > "$OUT/gpu_tests.txt" 2>&1
+    grep -E "^FAILED|passed|failed" "$OUT/gpu_tests.txt" | tail -30
+  else
+    timeout 560 python -m ember bench "$what" --json "$OUT/$what.json" 2>&1 | tail -25
+  fi
+done

@@ -29,3 +29,17 @@ def test_load_and_generate_match_transformers(family, tmp_path):
     # a second request reuses the caches: the state a previous request left must not leak
     again = model.generate(prompts[:1], max_new_tokens=NEW)
     assert again[0] == got[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(_families()))
+def test_gpu_graph_generate_equals_eager(family, tmp_path, cuda):
+    """The captured step advances conv / recurrent state in place: its warm-up must leave none behind."""
+    _families()[family]().save_pretrained(tmp_path)
+    model = ember.load(tmp_path, device=cuda, dtype=torch.bfloat16, max_seq_len=64, max_batch_size=2)
+    prompts = [torch.randint(1, VOCAB, (PROMPT_LEN,)).tolist(), torch.randint(1, VOCAB, (5,)).tolist()]
+    model.use_cuda_graph = False
+    eager = model.generate(prompts, max_new_tokens=NEW)
+    model.use_cuda_graph = True
+    assert model.generate(prompts, max_new_tokens=NEW) == eager
+    assert model.generate(prompts, max_new_tokens=NEW) == eager  # replayed graph, reused caches

@@ -113,6 +113,10 @@ def doctor() -> dict:
 
     Keys: ``python``, ``torch``, ``cuda``, ``triton``, ``mps``, ``families`` (op family -> path and
     reason), ``notes`` (plain-language lines) and ``ok`` (ember can run at all: CPU counts).
+
+    Example:
+        >>> report = ember.doctor()
+        >>> report["notes"]   # e.g. ["no CUDA device: ops run on the reference path"]
     """
     cuda = probe_cuda()
     tri = probe_triton(cuda["available"])

@@ -34,6 +34,9 @@ class Fp8Config:
     activations: ``None`` (weight-only: bf16 activations, fastest for decode) or ``"dynamic"``
         (activations quantised per row / 1x128 block on each call; fp8 tensor cores for large batches).
     filter_fn: ``filter_fn(module, fqn) -> bool`` deciding which modules convert (default: see module doc).
+
+    Example:
+        >>> ember.quantize_(model, ember.Fp8Config(granularity="block", filter_fn=lambda m, fqn: "mlp" in fqn))
     """
     granularity: str = "row"
     activations: str | None = None

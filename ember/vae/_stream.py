@@ -1,7 +1,9 @@
-"""A causal, chunk-by-chunk run of a diffusers Wan-family decoder on its own weights.
+"""A causal, chunk-by-chunk run of a diffusers Wan-family decoder (and, via ``CausalStream``, encoder)
+on its own weights.
 
 diffusers' Wan decoder (AutoencoderKLWan, AutoencoderKLQwenImage) decodes one latent frame at a time
-and keeps, per causal Conv3d, the last two input frames in a cache. Each conv then runs
+(its encoder: one video frame, then chunks of 4) and keeps, per causal Conv3d, the last two input
+frames in a cache. Each conv then runs
 ``torch.cat([cache, x])`` and ``F.pad`` (time in front, H and W on both sides): two full copies of
 every conv input, the padded one larger than the activation. Here, per conv:
 
@@ -60,17 +62,13 @@ def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-class StreamDecoder:
-    """Runs ``vae.decoder`` on one spatial tile, latent frame by latent frame.
+class CausalStream:
+    """The layers decoder and encoder share, each causal conv keeping its time history between chunks.
 
-    Example:
-        >>> s = StreamDecoder(vae.decoder)
-        >>> s.reset()
-        >>> frames = [s.step(z[:, :, k:k + 1], first=(k == 0)) for k in range(z.shape[2])]
+    Subclasses (``StreamDecoder`` here, ``ember.vae._encode.StreamEncoder``) walk their network with them.
     """
 
-    def __init__(self, decoder: torch.nn.Module):
-        self.dec = decoder
+    def __init__(self):
         self.history: dict[int, torch.Tensor] = {}
 
     def reset(self) -> None:
@@ -119,6 +117,28 @@ class StreamDecoder:
         o = F.scaled_dot_product_attention(q, k, v).squeeze(1)
         o = F.linear(o, blk.proj.weight.reshape(C, C), blk.proj.bias)
         return o.view(B, T, H, W, C).permute(0, 4, 1, 2, 3).add_(x)
+
+    def mid_block(self, mid, x: torch.Tensor) -> torch.Tensor:
+        x = self.resblock(mid.resnets[0], x)
+        for attn, res in zip(mid.attentions, mid.resnets[1:]):
+            if attn is not None:
+                x = self.attention(attn, x)
+            x = self.resblock(res, x)
+        return x
+
+
+class StreamDecoder(CausalStream):
+    """Runs ``vae.decoder`` on one spatial tile, latent frame by latent frame.
+
+    Example:
+        >>> s = StreamDecoder(vae.decoder)
+        >>> s.reset()
+        >>> frames = [s.step(z[:, :, k:k + 1], first=(k == 0)) for k in range(z.shape[2])]
+    """
+
+    def __init__(self, decoder: torch.nn.Module):
+        super().__init__()
+        self.dec = decoder
 
     def resample(self, r, x: torch.Tensor, first: bool) -> torch.Tensor:
         if r.mode == "upsample3d" and not first:
@@ -179,12 +199,7 @@ class StreamDecoder:
         """Decode one post-quant latent frame [B, z, 1, h, w] into 1 (first) or 4 frames."""
         d = self.dec
         x = self.causal(d.conv_in, z.contiguous(memory_format=CL3))
-        mid = d.mid_block
-        x = self.resblock(mid.resnets[0], x)
-        for attn, res in zip(mid.attentions, mid.resnets[1:]):
-            if attn is not None:
-                x = self.attention(attn, x)
-            x = self.resblock(res, x)
+        x = self.mid_block(d.mid_block, x)
         for ub in d.up_blocks:
             x = self.up_block(ub, x, first)
         return self.causal(d.conv_out, x, norm=d.norm_out)
@@ -201,3 +216,18 @@ def to_channels_last(module: torch.nn.Module) -> None:
             fmt = CL3 if w.dim() == 5 else torch.channels_last
             if not w.is_contiguous(memory_format=fmt):
                 w.data = w.data.contiguous(memory_format=fmt)
+
+
+def progress_bar(total: int, enabled: bool, label: str, unit: str):
+    """A transient rich progress bar over ``total`` steps, or None (disabled, short, or no rich)."""
+    if not enabled or total < 8:
+        return None
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    except ImportError:
+        return None
+    bar = Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} " + unit),
+                   TimeRemainingColumn(), transient=True)
+    bar.start()
+    bar.add_task(label, total=total)
+    return bar

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ember.vae._stream import StreamDecoder, is_causal_conv, to_channels_last
+from ember.vae._stream import StreamDecoder, is_causal_conv, progress_bar, to_channels_last
 
 SUPPORTED = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
 # Auto tiling: at most this many bytes of conv history (2 frames per causal conv) per tile. 1 GB
@@ -171,20 +171,6 @@ def _unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
     return x.view(b, c, p, p, f, h, w).permute(0, 1, 4, 5, 3, 6, 2).reshape(b, c, f, h * p, w * p)
 
 
-def _progress_bar(total: int, enabled: bool):
-    if not enabled or total < 8:
-        return None
-    try:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-    except ImportError:
-        return None
-    bar = Progress(TextColumn("VAE decode"), BarColumn(), TextColumn("{task.completed}/{task.total} tile-frames"),
-                   TimeRemainingColumn(), transient=True)
-    bar.start()
-    bar.add_task("decode", total=total)
-    return bar
-
-
 @torch.no_grad()
 def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, progress: bool = True) -> torch.Tensor:
     """Decode video latents with a diffusers AutoencoderKLWan / AutoencoderKLQwenImage, in tiles.
@@ -227,7 +213,7 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, progress: boo
     stream = StreamDecoder(vae.decoder)
     pq = vae.post_quant_conv
     bottom: dict[int, torch.Tensor] = {}  # column -> bottom strip of the tile above (all frames)
-    bar = _progress_bar(len(rows.starts) * len(cols.starts) * T, progress)
+    bar = progress_bar(len(rows.starts) * len(cols.starts) * T, progress, "VAE decode", "tile-frames")
     try:
         for ri, i in enumerate(rows.starts):
             right = None  # right strip of the tile to the left

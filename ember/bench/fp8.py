@@ -176,10 +176,13 @@ def sweep(path: str | None = None, budget_s: float = 110.0) -> dict:
                     for w in (4, 8):
                         cfgs.append((1 if M == 1 else 16, bn, bk, sk, w, 3))
         if M == 1:
+            # the one-launch GEMV kernel first (the default at M == 1): ("gemv", BLOCK_N, CHUNKS, KW, warps)
+            cfgs = [("gemv", bn * w // 4, c, 512, w) for w in (4, 8) for bn in (4, 8) for c in (1, 2, 4, 8)] + cfgs
             cfgs += [(16, bn, bk, sk, 4, 3) for bn in (64, 128) for bk in (128, 256) for sk in (2, 4)]
         cases.append(("row", M, N, K, cfgs))
-    cases.append(("block", 1, 8192, 8192, [(1, bn, 128, sk, w, 3) for bn in (32, 64, 128) for sk in (1, 2, 4, 8)
-                                             for w in (4, 8)]))
+    cases.append(("block", 1, 8192, 8192, [("gemv", bn, c, 128, w) for bn in (16, 32) for c in (2, 4, 8)
+                                             for w in (4, 8)]
+                  + [(1, bn, 128, sk, w, 3) for bn in (32, 64, 128) for sk in (1, 2, 4, 8) for w in (4, 8)]))
     cases.append(("gemm", 4096, 8192, 8192, [(128, 256, 128, 1, 8, 3), (128, 256, 128, 1, 8, 4),
                                              (128, 128, 128, 1, 8, 4), (128, 128, 128, 1, 4, 4),
                                              (256, 128, 128, 1, 8, 3), (64, 256, 128, 1, 4, 4)]))
@@ -196,8 +199,11 @@ def sweep(path: str | None = None, budget_s: float = 110.0) -> dict:
         for cfg in cfgs:
             if time.time() - t0 > budget_s:
                 break
-            bm, bn, bk, sk, w, st = cfg
-            conf = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st, GROUP_M=8)
+            if cfg[0] == "gemv":
+                conf = dict(GEMV=True, BLOCK_N=cfg[1], CHUNKS=cfg[2], KW=cfg[3], num_warps=cfg[4])
+            else:
+                bm, bn, bk, sk, w, st = cfg
+                conf = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st, GROUP_M=8)
             calls = [lambda q=q, x=x, conf=conf: k.scaled_mm(x[0], q[0].t(), x[1], None if x[1] is None else "row",
                                                              q[1].t(), gran, None, torch.bfloat16, config=conf)
                      for q, x in zip(qs, xs)]

@@ -336,6 +336,49 @@ def test_kernel_configs_interpreter(interpreter, config, kind_a, kind_b):
     assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
 
 
+# M == 1 with the K-contiguous b = w.t() takes the one-launch GEMV kernel by default; M = 2 and 16 (and a
+# row-major b) stay on the tiled kernel. Odd N and K exercise the masked tiles, K > 512 several K steps.
+@pytest.mark.parametrize("kind_a, kind_b", KINDS)
+@pytest.mark.parametrize("M, K, N, col_major", [(1, 1100, 37, True), (1, 100, 300, True), (1, 300, 37, False),
+                                                (2, 300, 37, True), (16, 130, 24, True)])
+def test_gemv_and_small_m_match_float64_interpreter(interpreter, kind_a, kind_b, M, K, N, col_major):
+    a, b, sa, sb = make_operands(M, K, N, kind_a, kind_b, b_col_major=col_major)
+    k_blocked = "block" in (kind_a, kind_b)
+    cfg = _dispatch.kernels("fp8")._config(M, N, K, k_blocked, a.device, b_k_contiguous=b.stride(0) == 1)
+    assert cfg.get("GEMV", False) == (M == 1 and col_major)
+    bias = torch.randn(N)
+    got = _kernel_mm(a, b, sa, sb, bias, torch.float32)
+    assert rel_frobenius(got, f64_scaled_mm(a, b, sa, sb, bias)) <= 1e-5
+
+
+# several rows per warp (KW < 512), several chunks and steps, tiles that divide N and K (no masks) and not
+GEMV_CONFIGS = [dict(GEMV=True, BLOCK_N=4, CHUNKS=2, KW=128, num_warps=4),
+                dict(GEMV=True, BLOCK_N=8, CHUNKS=4, KW=128, num_warps=2),
+                dict(GEMV=True, BLOCK_N=4, CHUNKS=1, KW=512, num_warps=4)]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS)
+@pytest.mark.parametrize("K, N", [(1024, 16), (520, 37)])
+@pytest.mark.parametrize("kind_a, kind_b", [(None, "row"), ("row", "row"), ("block", "block"), (None, "block"),
+                                            ("tensor", "tensor")])
+def test_gemv_configs_interpreter(interpreter, config, K, N, kind_a, kind_b):
+    if "block" in (kind_a, kind_b) and config["KW"] != 128:
+        pytest.skip("128-block scales need KW == 128")
+    out_dtype = torch.float16 if kind_a == "row" else torch.bfloat16
+    a, b, sa, sb = make_operands(1, K, N, kind_a, kind_b)
+    bias = torch.randn(N).to(torch.bfloat16)
+    got = _kernel_mm(a, b, sa, sb, bias, out_dtype, config)
+    exp = fp8.scaled_mm_reference(a, b, sa, sb, bias, out_dtype)
+    torch.testing.assert_close(got.float(), exp.float(), atol=1e-3, rtol=8e-3 if out_dtype == torch.bfloat16 else 1e-3)
+    assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
+
+
+def test_gemv_config_needs_one_row_and_k_contiguous_b(interpreter):
+    a, b, sa, sb = make_operands(2, 64, 16, None, "row")
+    with pytest.raises(ValueError, match="config: the GEMV kernel needs M == 1"):
+        _kernel_mm(a, b, sa, sb, None, torch.float32, GEMV_CONFIGS[0])
+
+
 def test_kernel_weight_only_fp32_and_fp16_a_interpreter(interpreter):
     for dtype in (torch.float32, torch.float16):
         a, b, _, sb = make_operands(5, 200, 48, None, "row")

@@ -11,6 +11,7 @@ path, and on some backends (Apple GPUs, rank-5, H*W >= 65536) it has silently co
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -86,7 +87,14 @@ def _split_pairs(dtype: torch.dtype) -> bool:
 
 
 def _fill_bits(dtype: torch.dtype, value: float) -> int:
-    fill = torch.empty((1,), dtype=dtype).fill_(value)  # the same conversion F.pad's fill applies
+    # keyed on repr: 0.0 == -0.0 (and hash alike) but their bits differ
+    return _fill_bits_cached(dtype, type(value), repr(value))
+
+
+@functools.lru_cache(maxsize=256)
+def _fill_bits_cached(dtype: torch.dtype, kind: type, text: str) -> int:
+    # cached: a CPU tensor, fill_ and .item() are host time every eager call would pay
+    fill = torch.empty((1,), dtype=dtype).fill_(kind(text))  # the same conversion F.pad's fill applies
     return int(_as_bits(fill).reshape(-1)[0].item())
 
 

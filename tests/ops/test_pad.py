@@ -129,6 +129,69 @@ def test_one_kernel_launch_interpreter(interpreter, monkeypatch):
     assert_bitwise(out, F.pad(x, (1, 1, 1, 1, 2, 0)))
 
 
+WIDTHS = {1: [torch.int8, torch.bool, torch.float8_e5m2], 2: [torch.bfloat16], 4: [torch.float32],
+          8: [torch.int64, torch.complex64], 16: [torch.complex128]}
+
+
+@pytest.mark.parametrize("dtype", [d for ds in WIDTHS.values() for d in ds])
+def test_wide_rows_every_alignment_interpreter(interpreter, dtype):
+    # odd row widths and left pads that put source and output rows at every relative byte offset
+    # inside the 8-byte words the 16-byte middle realigns (and rows spanning several word blocks)
+    x = make((2, 3, 37), dtype)
+    for pad, value in [((1, 1, 1, 1, 2, 0), 0.0), ((3, 2, 0, 1), -2.5), ((5, 0), 1.0), ((-3, 4, -1, 0), 3.0),
+                       ((7, -5, 1, 0, 0, 1), 1.0), ((-1, -2), 0.0), ((20, 19), -2.5)]:
+        value = 1.0 if dtype == torch.bool and value else value
+        assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+    long_row = make((2, 700), dtype)  # > 256 words a row for 8-byte elements: the middle loops
+    assert_bitwise(ember.ops.pad(long_row, (3, 5), 1.0), F.pad(long_row, (3, 5), value=1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float64])
+def test_wide_misaligned_views_interpreter(interpreter, dtype):
+    base = make((3, 5, 41), dtype)
+    for x in [base[..., 1:], base[:, 1:, 3:-2], base[:, ::2, 1:]]:  # odd offsets, strided rows
+        pad = (1, 2, 1, 0, 1, 1)
+        expected = F.pad(x, pad, value=1.0)
+        assert_bitwise(ember.ops.pad(x, pad, 1.0), expected)
+        # an out whose start is off the 16-byte grid takes the element path for the whole row
+        buf = poisoned((expected.numel() + 1,), dtype, "cpu")
+        out = buf[1:].view(expected.shape)
+        ember.ops.pad(x, pad, 1.0, out=out)
+        assert_bitwise(out, expected)
+
+
+def test_negative_zero_fill_keeps_its_sign_interpreter(interpreter):
+    x = make((2, 20), torch.bfloat16)
+    for value in (0.0, -0.0, 0.0):  # 0.0 == -0.0: a cache keyed on the value would mix them up
+        assert_bitwise(ember.ops.pad(x, (9, 9), value), F.pad(x, (9, 9), value=value))
+
+
+def _launches(monkeypatch):
+    k = _dispatch.kernels("pad")
+    launches = []
+    real = k._pad_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launches.append(meta)
+                return real[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(k, "_pad_kernel", Spy())
+    return launches
+
+
+def test_path_choice_interpreter(interpreter, monkeypatch):
+    launches = _launches(monkeypatch)
+    x = make((2, 3, 4, 6, 10), torch.bfloat16)
+    assert_bitwise(ember.ops.pad(x, (1, 1, 1, 1, 2, 0)), F.pad(x, (1, 1, 1, 1, 2, 0)))
+    xt = make((2, 3, 4, 6, 10), torch.bfloat16, "transposed")  # columns not unit-stride
+    assert_bitwise(ember.ops.pad(xt, (1, 1, 1, 1, 2, 0)), F.pad(xt, (1, 1, 1, 1, 2, 0)))
+    assert [m["WIDE"] for m in launches] == [True, False]
+    assert [m["N_OUTER"] for m in launches] == [3, 4]
+
+
 def test_empty_and_zero_sized():
     x = torch.randn(0, 3)
     assert_bitwise(ember.ops.pad(x, (1, 1, 2, 0), 5.0), F.pad(x, (1, 1, 2, 0), value=5.0))

@@ -15,10 +15,20 @@ never holds the experts of the next call. Baseline: the plain-PyTorch decode MoE
 experts' weights, two einsums), captured in a graph too; for fp8 the same loop dequantises the
 gathered experts first. For prefill the baseline is the eager per-expert loop (transformers-style:
 find the tokens of each expert, two linears), which syncs and so is timed eagerly with CUDA events.
+
+T=1 kernel variants: the ``_v2`` rows time the v2 GEMV kernels (``EMBER_MOE_T1=v2``; analysis at
+``ember.kernels.moe._t1_v2_config``, unmeasured when written) in the same run as the default v1 rows,
+with ``vs_v1`` = v1 time / v2 time. ``sweep()`` times v1 and several v2 configs at T=1 (bf16 and
+fp8 with 128x128 block and row scales); if v2 wins, set ``GPU_CONFIG["moe_t1"]["GEMV"] = "v2"`` (and
+the best config) in ember/kernels/moe.py.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
+import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +104,23 @@ def _quantize_blocks(w):
     return (w.float() / _expand(s, w.shape)).to(FP8), s
 
 
+@contextlib.contextmanager
+def t1_kernels(spec: str | None):
+    """Run the block with ``EMBER_MOE_T1=spec`` (None: the configured default); restores the old value."""
+    old = os.environ.get("EMBER_MOE_T1")
+    if spec is None:
+        os.environ.pop("EMBER_MOE_T1", None)
+    else:
+        os.environ["EMBER_MOE_T1"] = spec
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("EMBER_MOE_T1", None)
+        else:
+            os.environ["EMBER_MOE_T1"] = old
+
+
 def _distinct_experts(logits_list, top_k):
     return [int(torch.unique(lg.float().topk(top_k, -1).indices).numel()) for lg in logits_list]
 
@@ -101,24 +128,33 @@ def _distinct_experts(logits_list, top_k):
 def run(ctx: BenchContext) -> list[Row]:
     moe = _moe_module().moe
     if ctx.quick:
-        e, k, h, i, layers, cases = 16, 4, 256, 128, 2, [("T1_bf16", 1, torch.bfloat16), ("T32_bf16", 32, torch.bfloat16)]
+        e, k, h, i, layers = 16, 4, 256, 128, 2
+        cases = [("T1_bf16", 1, torch.bfloat16), ("T1_bf16_v2", 1, torch.bfloat16), ("T32_bf16", 32, torch.bfloat16)]
     else:
         e, k, h, i, layers = E, K, H, I, LAYERS
-        cases = [("T1_bf16", 1, torch.bfloat16), ("T1_fp8", 1, FP8), ("T16_bf16", 16, torch.bfloat16),
-                 ("T512_bf16", 512, torch.bfloat16)]
+        cases = [("T1_bf16", 1, torch.bfloat16), ("T1_bf16_v2", 1, torch.bfloat16), ("T1_fp8", 1, FP8),
+                 ("T1_fp8_v2", 1, FP8), ("T16_bf16", 16, torch.bfloat16), ("T512_bf16", 512, torch.bfloat16)]
     expert_bytes = {torch.bfloat16: 3 * h * i * 2, FP8: 3 * h * i}
     weights = {}
     rows = []
+    v1_times, inputs, base_times = {}, {}, {}
     for label, T, dtype in cases:
         ctx.progress(f"moe {label}")
+        variant = "v2" if label.endswith("_v2") else None
+        base_label = label.removesuffix("_v2")
         if dtype not in weights:
             weights = {dtype: _layers(layers, dtype, ctx.device, e, h, i)}  # free the other dtype first
         ws = weights[dtype]
-        xs = [torch.randn(T, h, device=ctx.device, dtype=torch.bfloat16) for _ in ws]
-        logits = [torch.randn(T, e, device=ctx.device) for _ in ws]
+        if base_label not in inputs:  # a _v2 row reuses its v1 row's inputs (and baseline time)
+            inputs[base_label] = ([torch.randn(T, h, device=ctx.device, dtype=torch.bfloat16) for _ in ws],
+                                  [torch.randn(T, e, device=ctx.device) for _ in ws])
+        xs, logits = inputs[base_label]
         ember_calls = [lambda x=x, lg=lg, w=w: moe(x, lg, w[0], w[1], k, gate_up_scale=w[2], down_scale=w[3])
                        for x, lg, w in zip(xs, logits, ws)]
-        t_ember = ctx.time_us(ember_calls)
+        with t1_kernels(variant):  # read while the calls are captured into the timing graph
+            t_ember = ctx.time_us(ember_calls)
+        if variant is None:
+            v1_times[label] = t_ember
         distinct = sum(_distinct_experts(logits, k)) / len(logits)
         nbytes = distinct * expert_bytes[dtype]
         floor_us = nbytes / COPY_BW_GBPS / 1e3
@@ -131,17 +167,71 @@ def run(ctx: BenchContext) -> list[Row]:
             name = f"moe_prefill_qwen3_30b_{label}" if not ctx.quick else f"moe_prefill_quick_{label}"
         else:
             base_calls = [lambda x=x, lg=lg, w=w: probe_moe(x, lg, w[0], w[1], k, w[2], w[3]) for x, lg, w in zip(xs, logits, ws)]
-            t_base = ctx.time_us(base_calls)
+            if base_label not in base_times:
+                base_times[base_label] = ctx.time_us(base_calls)
+            t_base = base_times[base_label]
             base_name = "plain-PyTorch probe MoE (gathered experts + einsum), CUDA graph"
             name = f"moe_decode_qwen3_30b_{label}" if not ctx.quick else f"moe_decode_quick_{label}"
         frac = gbps / COPY_BW_GBPS
-        if label == "T1_bf16":
+        if base_label == "T1_bf16":
             target, meets = "<= 30 us per layer (engine's 400 tok/s) and >= 2x probe", t_ember <= 30 and t_base / t_ember >= 2
-        elif label == "T1_fp8":
+        elif base_label == "T1_fp8":
             target, meets = "<= 20 us per layer (engine's fp8 600 tok/s)", t_ember <= 20
         else:
             target, meets = ">= 50% of 4155 GB/s and >= 2x baseline", frac >= 0.5 and t_base / t_ember >= 2
         rows.append(Row(name, "us", t_ember, t_base, base_name, target=target, meets=meets if ctx.on_gpu else None,
                         extra={"achieved_gbps": gbps, "fraction_of_copy_bw": frac, "floor_us": floor_us,
-                               "mb_read": nbytes / 1e6, "distinct_experts": distinct, "tokens": T}))
+                               "mb_read": nbytes / 1e6, "distinct_experts": distinct, "tokens": T,
+                               **({"t1_kernels": variant, "vs_v1": v1_times[base_label] / t_ember}
+                                  if variant else {})}))
     return rows
+
+
+# T=1 configs for sweep(): (EMBER_MOE_T1 spec, label); v2 specs are gate_up warps, rows, down warps, rows
+SWEEP_T1 = [("v1", "v1 (default)"), ("v2", "v2 default config")] + [
+    (f"v2,{gw},{gr},{dw},{dr}", f"v2 gu {gw}w x{gr} dn {dw}w x{dr}")
+    for gw, gr, dw, dr in [(2, 1, 2, 1), (4, 2, 4, 1), (8, 1, 4, 1), (4, 1, 2, 1), (4, 1, 8, 1), (2, 1, 4, 2),
+                           (8, 1, 8, 1), (4, 2, 4, 2)]]
+
+
+def sweep(path: str | None = None, budget_s: float = 120.0) -> dict:
+    """Time the T=1 kernel variants/configs at Qwen3-30B-A3B shapes (on the GPU; prints and returns the table).
+
+    One H200 run: ``python -c "from ember.bench.moe_ops import sweep; sweep('$OUT/moe_t1_sweep.json')"``.
+    """
+    moe = _moe_module().moe
+    dev = torch.device("cuda")
+    t0 = time.time()
+    results = {}
+    for wlabel, dtype, scale in (("bf16", torch.bfloat16, None), ("fp8_block", FP8, "block"), ("fp8_row", FP8, "row")):
+        ws = _layers(LAYERS, dtype, dev, E, H, I)
+        if scale == "row":  # per-row decode scales instead of 128x128 blocks (same fp8 bits, coarser scale)
+            ws = [(q13, q2, s13.amax(2).repeat_interleave(128, 1)[:, :2 * I].contiguous(),
+                   s2.amax(2).repeat_interleave(128, 1)[:, :H].contiguous()) for q13, q2, s13, s2 in ws]
+        xs = [torch.randn(1, H, device=dev, dtype=torch.bfloat16) for _ in ws]
+        logits = [torch.randn(1, E, device=dev) for _ in ws]
+        calls = [lambda x=x, lg=lg, w=w: moe(x, lg, w[0], w[1], K, gate_up_scale=w[2], down_scale=w[3])
+                 for x, lg, w in zip(xs, logits, ws)]
+        with t1_kernels("v1"):
+            expected = calls[0]().float()
+        table = []
+        for spec, name in SWEEP_T1:
+            if time.time() - t0 > budget_s:
+                break
+            try:
+                with t1_kernels(spec):
+                    # same op, other kernels: only summation order (and so an odd bf16 rounding) differs
+                    diff = (calls[0]().float() - expected).abs().max().item()
+                    table.append((_timing.graph_time_us(calls, replays=25), spec, f"{name}; max|out - v1| {diff:.3g}"))
+            except Exception as exc:  # a config that fails to compile is reported, not fatal
+                table.append((float("inf"), spec, f"{name}: {type(exc).__name__}: {exc}"[:200]))
+        floor = 8 * 3 * H * I * (2 if dtype == torch.bfloat16 else 1) / COPY_BW_GBPS / 1e3
+        table.sort(key=lambda r: r[0])
+        results[f"T1_{wlabel}"] = {"floor_us": floor, "table": table}
+        print(f"T1_{wlabel} floor_us {floor:.1f}", *[f"{t:.1f} us  {spec}  {note}" for t, spec, note in table],
+              sep="\n  ", flush=True)
+        del ws, calls
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    return results

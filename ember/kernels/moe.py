@@ -8,6 +8,9 @@ Three paths, picked by the token count T (all capturable: no host syncs, shapes 
   The gate_up GEMV can also recompute the routing itself (``moe_t1: FUSED_ROUTE``, saving a launch),
   but on the H200 that measured 30.6 us/layer against 28.2 us with the separate route kernel: the
   top-k reductions delay every program's first weight load.
+  ``EMBER_MOE_T1=v2`` (or ``moe_t1: GEMV``) selects the v2 T=1 kernels (``_gate_up_gemv_v2_kernel``,
+  ``_down_gemv_v2_kernel``): no shared-memory layout conversion in the K loop; unmeasured, so v1 stays
+  the default (analysis at ``_t1_v2_config``).
 * 2 <= T <= 16 (batched decode): the program of pair (t, j) serves expert ``ids[t, j]`` if that pair is
   the expert's first occurrence and exits otherwise, so each selected expert's weights are read once
   for all the tokens routed to it; tokens are rows of a 16-row ``tl.dot``. The down projection adds
@@ -19,6 +22,8 @@ FP8 weights are converted to the activation dtype in registers (exact for e4m3 i
 row scales multiply the accumulator at the end, 128x128 block scales each 128-wide K slice.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -39,14 +44,20 @@ GPU_CONFIG = {
     "gemv_down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, UNROLL=True),
     "grouped_decode": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "grouped_prefill": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-    "moe_t1": dict(FUSED_ROUTE=False),  # routing inside the gate_up GEMV (else a route kernel first)
+    "moe_t1": dict(FUSED_ROUTE=False, GEMV="v1"),  # FUSED_ROUTE: routing inside the gate_up GEMV (v1 only)
+    # v2 T=1 kernels (unmeasured; see _t1_v2_config): warps per program, rows per warp lane group
+    "gemv_v2_gate_up": dict(num_warps=4, ROWS=1, LANES=None),
+    "gemv_v2_down": dict(num_warps=4, ROWS=1, LANES=None),
 }
 CPU_CONFIG = {
     "gemv_gate_up": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, UNROLL=True),
     "gemv_down": dict(BLOCK_N=16, BLOCK_K=16, num_warps=1, UNROLL=False),
     "grouped_decode": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1),
     "grouped_prefill": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1),
-    "moe_t1": dict(FUSED_ROUTE=True),
+    "moe_t1": dict(FUSED_ROUTE=True, GEMV="v1"),
+    # LANES=4: several K steps and ragged K masks even at H=64..256
+    "gemv_v2_gate_up": dict(num_warps=1, ROWS=2, LANES=4),
+    "gemv_v2_down": dict(num_warps=1, ROWS=2, LANES=4),
 }
 DECODE_MAX_TOKENS = 16
 
@@ -213,6 +224,135 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
             for k0 in range(0, I, BLOCK_K):
                 acc = _down_slice(acc, h_ptr, pair, weight, w_base, rows, row_mask, row_s, k0, scale_ptr, e,
                                   stride_wn, stride_wk, stride_se, stride_sn, stride_sk, I, SCALE, BLOCK_K)
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + t * stride_out + rows, round_to(out, out_ptr.dtype.element_ty), mask=row_mask)
+
+
+# ============================================================================ T == 1: GEMV kernels, v2
+# Selected with EMBER_MOE_T1=v2 (or GPU_CONFIG["moe_t1"]["GEMV"]); see _t1_v2_config for the analysis.
+# Tiles are [BLOCK_N, LANES * VEC], K fastest: VEC contiguous K elements (16 bytes of weight) per
+# thread, LANES threads of a warp along K, warps (and 32 // LANES rows per warp) along the rows. The
+# activation is loaded with the weight tile's shape so both get the same register layout (no shared
+# memory); sums over a thread's VEC elements go through a [BLOCK_N, LANES, VEC] view (in-thread).
+# (A 3-D [BLOCK_N, LANES, VEC] load instead made Triton put rows before lanes within a warp.)
+# Within a K step of BPS 128-wide scale blocks, lane l reads chunk (l % BPS) * (LANES // BPS) + l // BPS:
+# the warp still reads the step's bytes contiguously, and lane l's scale block is k0 // 128 + l % BPS,
+# contiguous along the lanes, so Triton gives the [BLOCK_N, LANES] scale load the lanes-fastest layout
+# of the partial sums. With the identity order (8 lanes per block, contiguity 1 both ways) it chose
+# rows-fastest and converted through shared memory each step (2 bar.sync + a dependent L2 round trip).
+@triton.jit
+def _v2_k_offsets(LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr):
+    j = tl.arange(0, LANES * VEC)
+    lane = j // VEC
+    chunk = (lane % BPS) * (LANES // BPS) + lane // BPS
+    return (chunk * VEC + j % VEC)[None, :]  # [1, LANES * VEC], a permutation of 0 .. LANES * VEC - 1
+
+
+@triton.jit
+def _v2_vec_sum(p, BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr):
+    """[BLOCK_N, LANES * VEC] -> [BLOCK_N, LANES]: each thread sums its own VEC elements."""
+    return tl.sum(tl.reshape(p, (BLOCK_N, LANES, VEC)), axis=2)
+
+
+@triton.jit
+def _v2_block_scales(scale_ptr, e, rows, row_mask, k0, K, stride_se, stride_sn, stride_sk,
+                     LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr):
+    """[BLOCK_N, LANES] 128x128-block scales of each thread's VEC elements (VEC | 128: one block)."""
+    lane = tl.arange(0, LANES)
+    chunk_k = k0 + ((lane % BPS) * (LANES // BPS) + lane // BPS) * VEC
+    kb = k0 // 128 + lane % BPS  # == chunk_k // 128: the step (BPS x 128, or a divisor of 128) divides k0
+    return tl.load(scale_ptr + e * stride_se + (rows // 128)[:, None] * stride_sn + kb[None, :] * stride_sk,
+                   mask=row_mask[:, None] & (chunk_k < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gate_up_gemv_v2_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, stride_x,
+                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                            H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
+                            BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr):
+    """h[pair, n] = silu(gate[e] . x[t]) * (up[e] . x[t]) for BLOCK_N rows n; K (= H) unrolled, one reduction."""
+    pair = tl.program_id(0)
+    nb = tl.program_id(1)
+    t = pair // TOP_K
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < I
+    g_rows = (w_ptr + e * stride_we + rows.to(tl.int64) * stride_wn)[:, None]  # [BN, 1]
+    u_rows = g_rows + I * stride_wn
+    mask_rows = row_mask[:, None]
+    kk = _v2_k_offsets(LANES, VEC, BPS)
+    shape: tl.constexpr = (BLOCK_N, LANES * VEC)
+    if SCALE == 2:
+        acc_g = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_N, LANES * VEC], dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
+    for k0 in tl.static_range(0, H, LANES * VEC):
+        ks = k0 + kk
+        mask_k = ks < H
+        xv = tl.load(tl.broadcast_to(x_ptr + t * stride_x + ks, shape), mask=tl.broadcast_to(mask_k, shape),
+                     other=0.0).to(tl.float32)
+        wg = tl.load(g_rows + ks * stride_wk, mask=mask_rows & mask_k, other=0.0).to(tl.float32)
+        wu = tl.load(u_rows + ks * stride_wk, mask=mask_rows & mask_k, other=0.0).to(tl.float32)
+        if SCALE == 2:  # in-thread sum over VEC, then one FMA with the block scale
+            sg = _v2_block_scales(scale_ptr, e, rows, row_mask, k0, H, stride_se, stride_sn, stride_sk, LANES, VEC, BPS)
+            su = _v2_block_scales(scale_ptr, e, rows + I, row_mask, k0, H, stride_se, stride_sn, stride_sk,
+                                  LANES, VEC, BPS)
+            acc_g += _v2_vec_sum(wg * xv, BLOCK_N, LANES, VEC) * sg
+            acc_u += _v2_vec_sum(wu * xv, BLOCK_N, LANES, VEC) * su
+        else:
+            acc_g += wg * xv
+            acc_u += wu * xv
+    g = tl.sum(acc_g, axis=1)  # the one cross-lane reduction
+    u = tl.sum(acc_u, axis=1)
+    if SCALE == 1:
+        g *= _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn)
+        u *= _row_scale(scale_ptr, e, rows + I, row_mask, stride_se, stride_sn)
+    tl.store(h_ptr + pair * I + rows, round_to(_silu_mul(g, u), h_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stride_out,
+                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr):
+    """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < H
+    mask_rows = row_mask[:, None]
+    kk = _v2_k_offsets(LANES, VEC, BPS)
+    shape: tl.constexpr = (BLOCK_N, LANES * VEC)
+    acc = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        w_rows = (w_ptr + e * stride_we + rows.to(tl.int64) * stride_wn)[:, None]
+        if SCALE == 2:
+            acc_e = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
+        else:
+            acc_e = tl.zeros([BLOCK_N, LANES * VEC], dtype=tl.float32)
+        for k0 in tl.static_range(0, I, LANES * VEC):
+            ks = k0 + kk
+            mask_k = ks < I
+            hv = tl.load(tl.broadcast_to(h_ptr + pair * I + ks, shape), mask=tl.broadcast_to(mask_k, shape),
+                         other=0.0).to(tl.float32)
+            w = tl.load(w_rows + ks * stride_wk, mask=mask_rows & mask_k, other=0.0).to(tl.float32)
+            if SCALE == 2:
+                s = _v2_block_scales(scale_ptr, e, rows, row_mask, k0, I, stride_se, stride_sn, stride_sk,
+                                     LANES, VEC, BPS)
+                acc_e += _v2_vec_sum(w * hv, BLOCK_N, LANES, VEC) * s
+            else:
+                acc_e += w * hv
+        if SCALE != 2:
+            acc_e = _v2_vec_sum(acc_e, BLOCK_N, LANES, VEC)
+        # the routing weight (and a row scale) once per expert, on the [BLOCK_N, LANES] partial sums
+        factor = tl.load(tw_ptr + pair).to(tl.float32)
+        if SCALE == 1:
+            acc += acc_e * (factor * _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn))[:, None]
+        else:
+            acc += acc_e * factor
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t * stride_out + rows, round_to(out, out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -425,6 +565,102 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
     return out
 
 
+def t1_variant(device: torch.device) -> str:
+    """Which T=1 GEMV kernels run: "v1" (measured, the default) or "v2".
+
+    EMBER_MOE_T1 (``v1``, ``v2``, or ``v2,gu_warps,gu_rows,dn_warps,dn_rows`` for sweeps) overrides
+    GPU_CONFIG / CPU_CONFIG["moe_t1"]["GEMV"]; it is read per call (so also while capturing a graph).
+    """
+    env = os.environ.get("EMBER_MOE_T1")
+    if env:
+        name, *fields = env.split(",")
+        if name not in ("v1", "v2") or (fields and (name != "v2" or len(fields) != 4
+                                                    or not all(f.strip().isdigit() for f in fields))):
+            raise ValueError(f"EMBER_MOE_T1: expected 'v1', 'v2' or 'v2,gu_warps,gu_rows,dn_warps,dn_rows', "
+                             f"got {env!r}")
+        return name
+    return _config("moe_t1", device)["GEMV"]
+
+
+def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
+    """BLOCK_N, LANES, VEC, num_warps of the v2 T=1 kernels for weight ``[E, N, K]``.
+
+    Why v2 (sm_90 PTX/SASS of the v1 kernels, triton 3.6, Qwen3-30B-A3B: H=2048, I=768, k=8; unmeasured
+    on the GPU so far). Floor: 8 x 3 x 2048 x 768 weights = 75.5 MB bf16 -> 18.2 us, 37.7 MB fp8 -> 9.1
+    us (measured v1: 28.3 and 31.9 us). v1 loads the weight tiles straight into registers (16-byte
+    LDG.128; 8-byte LDG.64 for fp8 with 128x128 block scales, BLOCK_K=128), but the activation
+    slice of every K step (x or h, a 1-D load) is converted to the tile's layout through shared
+    memory: st.shared, bar.sync, ld.shared, bar.sync per step, 8 steps in gate_up, 24 in down (48 with
+    block scales: 97 bar.sync and 385 scalar LDS.U16 in the SASS). The SASS issues step s+1's
+    activation load only after step s's barrier, and the STS that follows waits for it, so each
+    program is a chain of 8 (gate_up) / 24-48 (down) dependent L2 round trips with one step's weight
+    loads (2 x 16 B per thread) in flight. That latency does not shrink with the weight bytes, which
+    is why fp8 (half the bytes) measured no faster than bf16. Down also runs only 256 programs of 4
+    warps (174 registers in bf16: 2 CTAs/SM) on 132 SMs. SASS instructions per weight byte per
+    thread, v1: bf16 2.1 (gate_up) / 2.5 (down), fp8 row 4.4 / 7.4 (down multiplies every product by
+    the row scale: 768 FMUL), fp8 block 5.7 / 8.3; an SM must take ~16 B/clk at 4.15 TB/s (1.98 GHz),
+    so 7.4-8.3 instructions per byte is ~120-130 of the 128 thread-instructions an SM issues per clock.
+
+    v2 (same tools and shapes): x / h are loaded in the weight tile's layout (16 B vectors; the other
+    warps' copies hit L1), the whole K range (in down, all k experts too) is straight-line code with
+    independent loads, the routing weight and row scale multiply a [BLOCK_N, LANES] partial sum once
+    per expert, block scales one in-thread sum of VEC products (lane order within a step permuted so
+    that the scale load keeps the sums' layout; see _v2_k_offsets). PTX/SASS, gate_up / down: 1 / 1
+    bar.sync per program (the final store; shuffles only in the final reduction), all weight and
+    activation loads LDG.128, no spills; registers bf16 104 / 56, fp8 row 66 / 72, fp8 block 44 / 64;
+    SASS instructions per weight byte per thread bf16 2.4 / 3.0, fp8 row 4.8 / 5.4, fp8 block 4.8 /
+    5.3 (the fp8 cost is the e4m3 -> fp32 conversion, F2FP + 2 HADD2 per 2 weights, and the FFMA);
+    grids 1536 programs of 4 warps (4 rows) / 512 of 4 (bf16, 4 rows) or 256 of 4 (fp8: 16 lanes x 16 B
+    = 256 of I = 768 per step, 8 rows). Expected, NOT measured: both GEMVs bandwidth-bound instead of
+    latency-bound, i.e. T=1 bf16 ~21-23 us and fp8 ~12-15 us per layer (fp8 needs ~5 instructions x
+    16 B/clk = ~80 of the 128 issue slots at the floor rate; the route kernel and the gaps between the
+    three launches, ~3-4 us, stay). Known leftover: with 128-wide K steps (BPS == 1, e.g. fp8 I=96)
+    the block-scale load still takes a shared-memory conversion per step (10 bar.sync at H=256, I=96).
+    Measure with ``ember bench moe_ops`` (the ``_v2`` rows, timed in the same run as v1) and
+    ``ember.bench.moe_ops.sweep()`` (v1 vs v2 configs); if v2 wins, set GPU_CONFIG["moe_t1"]["GEMV"] =
+    "v2" and the best sweep config.
+    """
+    cfg = _config(name, weight.device)
+    env = os.environ.get("EMBER_MOE_T1", "")
+    if env.startswith("v2,"):
+        gw, gr, dw, dr = (int(v) for v in env.split(",")[1:5])
+        if name == "gemv_v2_gate_up":
+            cfg.update(num_warps=gw, ROWS=gr)
+        else:
+            cfg.update(num_warps=dw, ROWS=dr)
+    vec = 16 // weight.element_size()  # 16 bytes of weight per thread and vector; divides 128 (block scales)
+    lanes = cfg["LANES"]
+    if lanes is None:  # the widest K step that divides K, so no lane is masked off
+        lanes = next((n for n in (32, 16, 8) if K % (n * vec) == 0), 32)
+        lanes = min(lanes, max(1, triton.next_power_of_2(-(-K // vec))))
+    rows_per_warp = max(1, 32 // lanes)
+    block_n = cfg["num_warps"] * rows_per_warp * cfg["ROWS"]
+    if block_n & (block_n - 1):
+        raise ValueError(f"{name}: expected warps x rows per program to be a power of 2, got "
+                         f"num_warps={cfg['num_warps']}, ROWS={cfg['ROWS']}")
+    return dict(BLOCK_N=block_n, LANES=lanes, VEC=vec,
+                BPS=max(1, lanes * vec // SCALE_BLOCK), num_warps=cfg["num_warps"])
+
+
+def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out):
+    T, H = x.shape
+    I = w_down.shape[2]
+    h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
+    cfg = _t1_v2_config("gemv_v2_gate_up", w_gate_up, H)
+    mode, gs_t, gse, gsn, gsk = _scale_args(w_gate_up, gs)
+    _gate_up_gemv_v2_kernel[(T * top_k, triton.cdiv(I, cfg["BLOCK_N"]))](
+        x, w_gate_up, gs_t, ids, h, x.stride(0), *w_gate_up.stride(), gse, gsn, gsk, H=H, I=I, TOP_K=top_k,
+        SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
+        num_warps=cfg["num_warps"], num_stages=1)
+    cfg = _t1_v2_config("gemv_v2_down", w_down, I)
+    mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
+    _down_gemv_v2_kernel[(T, triton.cdiv(H, cfg["BLOCK_N"]))](
+        h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, H=H, I=I, TOP_K=top_k,
+        SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
+        num_warps=cfg["num_warps"], num_stages=1)
+    return out
+
+
 def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k):
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
@@ -476,6 +712,8 @@ def experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_sc
         return torch.empty_like(x)
     if T == 1:
         out = torch.empty_like(x)
+        if t1_variant(x.device) == "v2":
+            return _experts_gemv_v2(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, top_k, out)
         return _experts_gemv(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, None, top_k, True, out)
     return _experts_grouped(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, top_k)
 
@@ -483,7 +721,7 @@ def experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_sc
 def moe(x, router_logits, w_gate_up, w_down, top_k, renormalize, gate_up_scale, down_scale):
     x = _rows_contiguous(x)
     T = x.shape[0]
-    if T == 1 and _config("moe_t1", x.device)["FUSED_ROUTE"]:
+    if T == 1 and _config("moe_t1", x.device)["FUSED_ROUTE"] and t1_variant(x.device) == "v1":
         logits = _rows_contiguous(router_logits)
         ids = torch.empty((1, top_k), dtype=torch.int32, device=x.device)
         tw = torch.empty((1, top_k), dtype=torch.float32, device=x.device)

@@ -377,3 +377,96 @@ def test_gemv_loop_variants_interpreter(interpreter, poisoned_buffers, monkeypat
     logits = torch.randn(1, E)
     got = moe_ops.moe(x, logits, wgu, wd, K, gate_up_scale=gs, down_scale=ds)
     assert_close(got, moe_ops.moe_reference(x, logits, wgu, wd, K, True, gs, ds), torch.bfloat16)
+
+
+# ------------------------------------------------------------------ T=1 v2 GEMV kernels (EMBER_MOE_T1=v2)
+V2_CASES = [(torch.bfloat16, None, 64, 32), (torch.float16, None, 100, 48), (torch.float32, None, 100, 48),
+            (torch.bfloat16, None, 100, 48), (FP8, "row", 64, 32), (FP8, "row", 100, 48),
+            (FP8, "block", 100, 48), (FP8, "block", 256, 96)]
+
+
+@pytest.fixture
+def t1_v2(monkeypatch):
+    """Select the v2 T=1 kernels; the v1 GEMV launcher fails the test if it is reached."""
+    from ember.kernels import moe as kmod
+    monkeypatch.setenv("EMBER_MOE_T1", "v2")
+    monkeypatch.setattr(kmod, "_experts_gemv", lambda *a, **kw: pytest.fail("the v1 T=1 kernels ran"))
+    return kmod
+
+
+@pytest.mark.parametrize("wdtype,scale,h,i", V2_CASES)
+def test_t1_v2_kernels_interpreter(interpreter, poisoned_buffers, t1_v2, wdtype, scale, h, i):
+    xdtype = torch.bfloat16 if wdtype == FP8 else wdtype
+    if wdtype == FP8:
+        wgu, gs, wd, ds = make_weights(FP8, h=h, i=i, scale=scale)
+    else:
+        wgu, wd, gs, ds = make_weights(wdtype, h=h, i=i)
+    x = torch.randn(1, h).to(xdtype)
+    logits = torch.randn(1, E)
+    rw, rid = moe_ops.moe_route_reference(logits, K)
+    expected = moe_ops.moe_experts_reference(x, wgu, wd, rw, rid, gs, ds)
+    assert_close(moe_ops.moe(x, logits, wgu, wd, K, gate_up_scale=gs, down_scale=ds), expected, xdtype)
+    got = ember.ops.moe_experts(x, wgu, wd, rw, rid, gate_up_scale=gs, down_scale=ds)
+    assert_close(got, expected, xdtype)
+    # and against the independent float64 math (the reference itself is checked against it above)
+    assert_close(got, float64_experts(x, wgu, wd, rw, rid, gs, ds).to(xdtype), xdtype)
+
+
+def test_t1_v2_repeated_expert_and_sweep_config_interpreter(interpreter, poisoned_buffers, t1_v2, monkeypatch):
+    x = torch.randn(1, 100)
+    wgu, wd, _, _ = make_weights(torch.float32, h=100, i=48)
+    tid = torch.tensor([[5, 5]])  # one expert listed twice: both pairs count with their own weights
+    tw = torch.tensor([[0.7, 0.2]])
+    expected = float64_experts(x, wgu, wd, tw, tid)
+    assert_close(ember.ops.moe_experts(x, wgu, wd, tw, tid), expected, torch.float32)
+    for spec in ("v2,1,1,1,1", "v2,2,2,1,4"):  # the sweep form: gate_up warps, rows, down warps, rows
+        monkeypatch.setenv("EMBER_MOE_T1", spec)
+        assert_close(ember.ops.moe_experts(x, wgu, wd, tw, tid), expected, torch.float32)
+    monkeypatch.setenv("EMBER_MOE_T1", "v2,1,3,1,1")
+    with pytest.raises(ValueError, match="power of 2"):
+        ember.ops.moe_experts(x, wgu, wd, tw, tid)
+
+
+def test_t1_variant_switch(monkeypatch):
+    from ember.kernels import moe as kmod
+    monkeypatch.delenv("EMBER_MOE_T1", raising=False)
+    assert kmod.GPU_CONFIG["moe_t1"]["GEMV"] == "v1"  # the measured kernels stay the default
+    assert kmod.t1_variant(torch.device("cpu")) == "v1"
+    monkeypatch.setenv("EMBER_MOE_T1", "v2,4,1,4,1")
+    assert kmod.t1_variant(torch.device("cpu")) == "v2"
+    for bad in ("v3", "v2,4,1", "v1,4,1,4,1", "v2,a,1,4,1"):
+        monkeypatch.setenv("EMBER_MOE_T1", bad)
+        with pytest.raises(ValueError, match="EMBER_MOE_T1"):
+            kmod.t1_variant(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, "row", "block"])
+def test_gpu_t1_v2_qwen3_shapes_and_graph(cuda, monkeypatch, wdtype):
+    monkeypatch.setenv("EMBER_MOE_T1", "v2")
+    x = torch.randn(1, QH, device=cuda).bfloat16()
+    logits = torch.randn(1, QE, device=cuda)
+    if wdtype == torch.bfloat16:
+        wgu, wd, gs, ds = make_weights(wdtype, QE, QH, QI, device=cuda)
+    else:
+        wgu, gs, wd, ds = make_weights(FP8, QE, QH, QI, device=cuda, scale=wdtype)
+    run = lambda: moe_ops.moe(x, logits, wgu, wd, QK, gate_up_scale=gs, down_scale=ds)  # noqa: E731
+    assert_close(run(), moe_ops.moe_reference(x, logits, wgu, wd, QK, True, gs, ds))
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    g.replay()
+    assert_close(out, moe_ops.moe_reference(x, logits, wgu, wd, QK, True, gs, ds))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_t1_v2_other_dtypes(cuda, monkeypatch, dtype):
+    monkeypatch.setenv("EMBER_MOE_T1", "v2")
+    x = torch.randn(1, 256, device=cuda).to(dtype)
+    wgu, wd, _, _ = make_weights(dtype, 16, 256, 96, device=cuda)
+    logits = torch.randn(1, 16, device=cuda)
+    assert_close(moe_ops.moe(x, logits, wgu, wd, 4), moe_ops.moe_reference(x, logits, wgu, wd, 4), dtype)

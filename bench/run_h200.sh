@@ -5,6 +5,7 @@
 #   bash bench/run_h200.sh moe_ops moe            # MoE suites (~5 min)
 #   bash bench/run_h200.sh moe_hybrid             # LFM2 / Qwen3.5 (HF baselines are slow)
 #   bash bench/run_h200.sh vae                    # needs the diffusers wheel in .whl/ (README of the device tool)
+#   bash bench/run_h200.sh sweeps                 # fp8 GEMV tiles, MoE T=1 v1 vs v2 (pick the defaults from these)
 # Results land in $OUT (or ./out): <suite>.json, gpu_tests.txt, doctor.txt; copy them to bench/results/h200/.
 set -u
 OUT=${OUT:-out}
@@ -17,7 +18,10 @@ fi
 python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 python -m ember doctor > "$OUT/doctor.txt"
 for what in "$@"; do
-  if [ "$what" = tests ]; then
+  if [ "$what" = sweeps ]; then
+    timeout 200 python -c "from ember.bench.fp8 import sweep; sweep('$OUT/fp8_sweep.json')" 2>&1 | tail -20
+    timeout 200 python -c "from ember.bench.moe_ops import sweep; sweep('$OUT/moe_t1_sweep.json')" 2>&1 | tail -20
+  elif [ "$what" = tests ]; then
     timeout 400 python -m pytest -m gpu -n 14 -q --tb=line -p no:cacheprovider tests/ > "$OUT/gpu_tests.txt" 2>&1
     grep -E "^FAILED|passed|failed" "$OUT/gpu_tests.txt" | tail -30
   else

@@ -5,17 +5,13 @@ import torch
 import ember
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan  # noqa: E402
+from diffusers import AutoencoderKLWan  # noqa: E402
+
+from tests.vae import tiny  # noqa: E402
 
 from ember.vae._decode import VaeSpec  # noqa: E402
 
-TINY = dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=0, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-CONFIGS = {
-    "wan21": (AutoencoderKLWan, TINY),
-    "wan22": (AutoencoderKLWan, dict(TINY, decoder_base_dim=6, is_residual=True, in_channels=12, out_channels=12,
-                                     patch_size=2, scale_factor_spatial=16)),
-    "qwen": (AutoencoderKLQwenImage, TINY),
-}
+CONFIGS = tiny.configs(num_res_blocks=0)
 
 
 def psnr(a, b):
@@ -25,15 +21,7 @@ def psnr(a, b):
 
 
 def make_vae(name, dtype=torch.float32):
-    cls, cfg = CONFIGS[name]
-    vae = cls(**cfg).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so every parameter matters
-        for n, p in vae.named_parameters():
-            if "gamma" in n:
-                p.normal_(1.0, 0.2)
-            elif "bias" in n:
-                p.normal_(0.0, 0.1)
-    return vae.to(dtype)
+    return tiny.make_vae(CONFIGS, name, dtype)
 
 
 def diffusers_decode(vae, z, tile=None, overlap=None):

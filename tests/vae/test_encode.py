@@ -6,7 +6,9 @@ import torch.nn.functional as F
 import ember
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan  # noqa: E402
+from diffusers import AutoencoderKLWan  # noqa: E402
+
+from tests.vae import tiny  # noqa: E402
 from diffusers.models.autoencoders.autoencoder_kl_wan import AvgDown3D  # noqa: E402
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution  # noqa: E402
 from diffusers.models.modeling_outputs import AutoencoderKLOutput  # noqa: E402
@@ -15,13 +17,7 @@ import ember.vae._encode as enc  # noqa: E402
 from ember.vae._encode import EncoderSpec, StreamEncoder  # noqa: E402
 
 # num_res_blocks=1: with 0, diffusers' own Wan2.1 encoder cannot run (its resample expects out_dim channels)
-TINY = dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-CONFIGS = {
-    "wan21": (AutoencoderKLWan, TINY),
-    "wan22": (AutoencoderKLWan, dict(TINY, decoder_base_dim=6, is_residual=True, in_channels=12, out_channels=12,
-                                     patch_size=2, scale_factor_spatial=16)),
-    "qwen": (AutoencoderKLQwenImage, TINY),
-}
+CONFIGS = tiny.configs(num_res_blocks=1)
 
 
 def psnr(a, ref, peak=None):
@@ -33,15 +29,7 @@ def psnr(a, ref, peak=None):
 
 
 def make_vae(name, dtype=torch.float32):
-    cls, cfg = CONFIGS[name]
-    vae = cls(**cfg).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so every parameter matters
-        for n, p in vae.named_parameters():
-            if "gamma" in n:
-                p.normal_(1.0, 0.2)
-            elif "bias" in n:
-                p.normal_(0.0, 0.1)
-    return vae.to(dtype)
+    return tiny.make_vae(CONFIGS, name, dtype)
 
 
 def make_video(vae, frames, h_lat, w_lat, batch=1, dtype=torch.float32):

@@ -1,5 +1,6 @@
-"""Triton kernels for decode attention: fused q/k RMSNorm + RoPE + KV-cache write, and split-sequence
-attention over the live part of a static cache followed by a combine."""
+"""Triton kernels for decode attention: fused q/k RMSNorm + RoPE + KV-cache write (alone, or behind the
+qkv projection GEMV: opt-in, untimed), and split-sequence attention over the live part of a static
+cache followed by a combine."""
 from __future__ import annotations
 
 import torch
@@ -155,3 +156,90 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
         NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=block_n,
         NSPLIT=nsplit, IEEE=q.dtype == torch.float32, num_warps=4)
     _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1)
+
+
+@triton.jit
+def _qkv_proj_norm_rope_cache_kernel(x_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, q_ptr,
+                                     B, H, stride_x, stride_w, stride_cos, skb, skh, sks, svb, svh, svs, eps,
+                                     NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                                     BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # One program per output head (NH query, KVH key, KVH value heads) for all B <= BM rows: the head's
+    # [D, H] weight slab is read once, whatever B is. The GEMV result is rounded to the I/O dtype
+    # (what the two-step path stores as qkv) before the norm; the epilogue is then op for op the one
+    # of _qk_norm_rope_cache_kernel.
+    head = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    row_mask = rows < B
+    offs_d = tl.arange(0, D)
+    offs_k = tl.arange(0, BK)
+    w_rows = w_ptr + (head * D + offs_d).to(tl.int64)[:, None] * stride_w
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros([BM, D], tl.float32)
+    for k0 in range(0, H, BK):
+        k = k0 + offs_k
+        k_mask = k < H
+        x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=k_mask[None, :], other=0.0)  # [D, BK], 16-byte loads along H
+        if UPCAST:  # interpreter: it mis-multiplies bf16/fp16 dots; their values are exact in fp32
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    dt = q_ptr.dtype.element_ty
+    y = round_to(acc, dt)  # the qkv tensor of the two-step path
+    pos = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    if head >= NH + KVH:
+        vh = head - NH - KVH
+        dst = vc_ptr + rows.to(tl.int64) * svb + vh * svh + pos * svs
+        tl.store(dst[:, None] + offs_d[None, :], y, mask=row_mask[:, None])
+    else:
+        HALF: tl.constexpr = D // 2
+        # [BM, D] -> halves [BM, D/2] (rotate-half pairs element i with i + D/2)
+        y1, y2 = tl.split(tl.permute(tl.reshape(y.to(tl.float32), [BM, 2, HALF]), [0, 2, 1]))
+        offs = tl.arange(0, HALF)
+        if head < NH:
+            nw_ptr = qn_ptr
+            dst = q_ptr + (rows.to(tl.int64) * NH + head) * D
+        else:
+            nw_ptr = kn_ptr
+            dst = kc_ptr + rows.to(tl.int64) * skb + (head - NH) * skh + pos * sks
+        inv_rms = 1.0 / tl.sqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / D + eps)
+        n1 = round_to(y1 * inv_rms[:, None] * tl.load(nw_ptr + offs).to(tl.float32)[None, :], dt).to(tl.float32)
+        n2 = round_to(y2 * inv_rms[:, None] * tl.load(nw_ptr + HALF + offs).to(tl.float32)[None, :], dt).to(tl.float32)
+        cs_off = pos[:, None] * stride_cos + offs[None, :]
+        c = round_to(tl.load(cos_ptr + cs_off, mask=row_mask[:, None], other=0.0), dt).to(tl.float32)
+        s = round_to(tl.load(sin_ptr + cs_off, mask=row_mask[:, None], other=0.0), dt).to(tl.float32)
+        tl.store(dst[:, None] + offs[None, :], round_to(n1 * c - n2 * s, dt), mask=row_mask[:, None])
+        tl.store(dst[:, None] + HALF + offs[None, :], round_to(n2 * c + n1 * s, dt), mask=row_mask[:, None])
+
+
+def qkv_proj_norm_rope_cache(x, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps) -> None:
+    """The decode qkv GEMV fused with q/k RMSNorm, RoPE and the k/v cache write, one launch.
+
+    Floor (Qwen3-30B-A3B, H=2048, NH=32, KVH=4, D=128, bf16, B <= 8): the weight is
+    (32 + 2 * 4) * 128 * 2048 * 2 B = 21.0 MB, everything else < 0.1 MB, so 21.0 MB / 4.15 TB/s =
+    5.1 us per layer, 0.24 ms for 48 layers; FLOPs (2 * B * 10.5 M <= 168 MFLOP) are negligible.
+    Expected effect (UNMEASURED, nothing of this ran on a GPU): the two-step path is a cuBLAS GEMV
+    plus the norm/RoPE kernel, two launches and a [B, 5120] round trip; fusing removes one kernel
+    boundary per layer (~2-3 us in a CUDA graph incl. the tail), i.e. up to ~0.1-0.15 ms of the
+    3.20 ms step, IF this GEMV runs at cuBLAS speed. Risk: only NH + 2 KVH = 40 programs (one per
+    head, so each head's norm sees its whole D outputs), each streaming 512 KB; if one SM cannot
+    pull ~100 GB/s the GEMV is slower than cuBLAS and the fusion loses. BK / warps / stages below
+    are untuned guesses; the next session should time B = 1 and 8 against the two-step path and,
+    if short, split H across a cluster or finish with a last-arriving-program epilogue.
+    """
+    B, H = x.shape
+    NH, D = q_out.shape[1], q_out.shape[2]
+    KVH = k_cache.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    on_gpu = x.device.type == "cuda"
+    bk = 128 if on_gpu else min(128, max(16, triton.next_power_of_2(H)))
+    _qkv_proj_norm_rope_cache_kernel[(NH + 2 * KVH,)](
+        x, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out,
+        B, H, x.stride(0), weight.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
+        NH=NH, KVH=KVH, D=D, BM=16, BK=bk, UPCAST=not on_gpu, IEEE=x.dtype == torch.float32,
+        num_warps=4, num_stages=4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -118,8 +119,14 @@ class Attention(nn.Module):
                sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """h [B, H], one token per row at ``positions`` [B] -> [B, H]; appends k, v to the cache."""
         c = self.cfg
-        q = attn_ops.qk_norm_rope_cache(self.qkv(h), self.q_norm, self.k_norm, cos, sin, positions,
-                                        cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps)
+        fused = os.environ.get("EMBER_FUSED_QKV", "0") == "1"  # read per call; opt-in until timed on the GPU
+        if fused and type(self.qkv) is Linear and self.qkv.bias is None and h.shape[0] <= 8:
+            # projection + q/k norm + RoPE + cache write in one launch (ember.ops.attention)
+            q = attn_ops.qkv_proj_norm_rope_cache(h, self.qkv.weight, self.q_norm, self.k_norm, cos, sin, positions,
+                                                  cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps)
+        else:
+            q = attn_ops.qk_norm_rope_cache(self.qkv(h), self.q_norm, self.k_norm, cos, sin, positions,
+                                            cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps)
         out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out)
 

@@ -4,6 +4,9 @@
     takes one token per row from the fused qkv projection [B, (NH + 2 KVH) * D], applies Qwen3's
     per-head RMSNorm to q and k, rotates both with RoPE at ``positions`` [B], writes k and v into the
     caches [B_max, KVH, S, D] at those positions and returns q [B, NH, D]. One launch instead of ~12.
+``qkv_proj_norm_rope_cache(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads=, eps=)``
+    the same with the qkv projection (h [B <= 8, H] x weight [(NH + 2 KVH) * D, H]^T) fused in
+    front: one launch instead of a GEMV plus the kernel above. Opt-in (``EMBER_FUSED_QKV=1``).
 ``decode_attention(q, k_cache, v_cache, seq_lens, scale=)``
     attends each row's query heads [B, NH, D] over the first ``seq_lens[b]`` cache entries (GQA:
     NH / KVH query heads share a kv head) and returns [B, NH * D]. The kernel reads only the live
@@ -38,15 +41,21 @@ def _validate_cache(k_cache, v_cache, dtype):
 def _validate_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
     _checks.tensor("qkv", qkv, dtypes=_checks.FLOAT_DTYPES, ndim=2)
     _validate_cache(k_cache, v_cache, qkv.dtype)
-    _, kvh, S, D = k_cache.shape
-    B = qkv.shape[0]
+    _, kvh, _, D = k_cache.shape
     if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % kvh:
         raise ValueError(f"num_heads: expected a positive multiple of the cache's {kvh} kv heads, got {num_heads!r}")
     if qkv.shape[1] != (num_heads + 2 * kvh) * D:
         raise ValueError(f"qkv: expected last dim (num_heads + 2 * kv_heads) * head_dim = {(num_heads + 2 * kvh) * D}, "
                          f"got {qkv.shape[1]}")
+    _checks.same_device(qkv=qkv, k_cache=k_cache)
+    return _validate_norm_rope_args("qkv", qkv.shape[0], q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps)
+
+
+def _validate_norm_rope_args(rows_name, B, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps):
+    """Checks shared by qk_norm_rope_cache and qkv_proj_norm_rope_cache (the caches are checked already)."""
+    S, D = k_cache.shape[2], k_cache.shape[3]
     if B > k_cache.shape[0]:
-        raise ValueError(f"qkv: expected at most {k_cache.shape[0]} rows (the cache's batch), got {B}")
+        raise ValueError(f"{rows_name}: expected at most {k_cache.shape[0]} rows (the cache's batch), got {B}")
     if D % 2 or D & (D - 1):
         raise ValueError(f"k_cache: expected a power-of-two head dim, got {D}")
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
@@ -59,10 +68,37 @@ def _validate_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n
             raise ValueError(f"{name}: expected shape [>= {S}, {D // 2}], got {tuple(t.shape)}")
     _checks.tensor("positions", positions, dtypes=_INT_DTYPES, ndim=1)
     if positions.shape[0] != B:
-        raise ValueError(f"positions: expected length {B} (rows of qkv), got {positions.shape[0]}")
-    _checks.same_device(qkv=qkv, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, positions=positions,
-                        k_cache=k_cache, v_cache=v_cache)
+        raise ValueError(f"positions: expected length {B} (rows of {rows_name}), got {positions.shape[0]}")
+    _checks.same_device(k_cache=k_cache, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, positions=positions,
+                        v_cache=v_cache)
     return _checks.positive_float("eps", eps)
+
+
+_FUSED_MAX_ROWS = 8  # decode batch sizes; the kernel pads rows to a 16-row dot tile
+
+
+def _validate_fused(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+    _checks.tensor("h", h, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    _checks.tensor("weight", weight, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    _checks.same_dtype(h=h, weight=weight)
+    _validate_cache(k_cache, v_cache, h.dtype)
+    _, kvh, _, D = k_cache.shape
+    B, H = h.shape
+    if not 1 <= B <= _FUSED_MAX_ROWS:
+        raise ValueError(f"h: expected 1 to {_FUSED_MAX_ROWS} rows (decode batch), got {B}")
+    if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % kvh:
+        raise ValueError(f"num_heads: expected a positive multiple of the cache's {kvh} kv heads, got {num_heads!r}")
+    want = ((num_heads + 2 * kvh) * D, H)
+    if tuple(weight.shape) != want:
+        raise ValueError(f"weight: expected shape [(num_heads + 2 * kv_heads) * head_dim, hidden] = {list(want)}, "
+                         f"got {list(weight.shape)}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"weight: expected a contiguous last dimension (row-major [out, hidden]), got strides "
+                         f"{weight.stride()}")
+    if D < 16:
+        raise ValueError(f"k_cache: expected head dim >= 16 (the kernel's dot tile), got {D}")
+    _checks.same_device(h=h, weight=weight, k_cache=k_cache)
+    return _validate_norm_rope_args("h", B, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps)
 
 
 def _validate_attention(q, k_cache, v_cache, seq_lens, scale):
@@ -107,6 +143,14 @@ def qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cac
     return q
 
 
+def qkv_proj_norm_rope_cache_reference(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads,
+                                       eps):
+    """Spec: the two-step path, ``qk_norm_rope_cache`` of ``F.linear(h, weight)`` (qkv rounded to the I/O
+    dtype before the norm)."""
+    return qk_norm_rope_cache_reference(torch.nn.functional.linear(h, weight), q_norm, k_norm, cos, sin, positions,
+                                        k_cache, v_cache, num_heads, eps)
+
+
 def decode_attention_reference(q, k_cache, v_cache, seq_lens, scale):
     """Spec: softmax(q k^T * scale) v over cache entries [0, seq_lens[b]) in float32."""
     B, NH, D = q.shape
@@ -130,6 +174,16 @@ def _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_h
     return q
 
 
+def _fused_impl(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+    if not _dispatch.use_triton(h):
+        return qkv_proj_norm_rope_cache_reference(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+                                                  num_heads, eps)
+    q = torch.empty(h.shape[0], num_heads, k_cache.shape[3], dtype=h.dtype, device=h.device)
+    _dispatch.kernels("attention").qkv_proj_norm_rope_cache(h, weight, q_norm, k_norm, cos, sin, positions, k_cache,
+                                                            v_cache, q, eps)
+    return q
+
+
 def _attention_impl(q, k_cache, v_cache, seq_lens, scale):
     if not _dispatch.use_triton(q):
         return decode_attention_reference(q, k_cache, v_cache, seq_lens, scale)
@@ -149,6 +203,18 @@ def _rope_op(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos:
 @_rope_op.register_fake
 def _(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
     return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
+
+
+@torch.library.custom_op("ember::qkv_proj_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
+def _fused_op(h: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+              eps: float) -> torch.Tensor:
+    return _fused_impl(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+
+
+@_fused_op.register_fake
+def _(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+    return h.new_empty(h.shape[0], num_heads, k_cache.shape[3])
 
 
 @torch.library.custom_op("ember::decode_attention", mutates_args=())
@@ -179,6 +245,29 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
     if _dispatch.compiling():
         return _rope_op(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
     return _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+
+
+def qkv_proj_norm_rope_cache(h: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, *, num_heads: int, eps: float = 1e-6) -> torch.Tensor:
+    """``qk_norm_rope_cache(h @ weight.T, ...)`` in one launch for decode (1 to 8 rows); returns q [B, NH, D].
+
+    ``weight`` is the unquantised fused qkv projection [(NH + 2 KVH) * D, H] (row-major, no bias).
+    Same rounding as the two-step path: the projection is rounded to the I/O dtype before the norm,
+    so results differ from it only by the GEMV's summation order. Opt-in in the models
+    (``EMBER_FUSED_QKV=1``) until it is timed on the GPU.
+
+    Example:
+        >>> B, H, NH, KVH, D, S = 1, 64, 4, 2, 16, 32
+        >>> kc, vc = torch.zeros(B, KVH, S, D), torch.zeros(B, KVH, S, D)
+        >>> cos, sin = torch.ones(S, D // 2), torch.zeros(S, D // 2)
+        >>> q = ember.ops.attention.qkv_proj_norm_rope_cache(torch.randn(B, H), torch.randn((NH + 2 * KVH) * D, H),
+        ...     torch.ones(D), torch.ones(D), cos, sin, torch.tensor([3]), kc, vc, num_heads=NH)
+    """
+    eps = _validate_fused(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+    if _dispatch.compiling():
+        return _fused_op(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+    return _fused_impl(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,

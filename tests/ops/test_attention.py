@@ -6,6 +6,7 @@ import torch
 
 from ember.models._common import rope_tables
 from ember.ops import attention as A
+from tests.helpers import poisoned
 
 
 def _attention_f64(q, kc, vc, lens, scale):
@@ -95,3 +96,124 @@ def test_kernels_real_shapes(cuda, B, S, lens):
     out = A.decode_attention(q, kc, vc, torch.tensor(lens, device=cuda, dtype=torch.int32), scale=D ** -0.5)
     ref = A.decode_attention_reference(q, kc, vc, torch.tensor(lens, device=cuda, dtype=torch.int32), D ** -0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=8e-3)
+
+
+# ----------------------------------------------------------------------------- fused qkv projection
+def _fused_inputs(B, H, NH, KVH, D, S, dtype, device="cpu"):
+    h = torch.randn(B, H, device=device).to(dtype)
+    w = (torch.randn((NH + 2 * KVH) * D, H, device=device) * H ** -0.5).to(dtype)
+    qn, kn = (torch.rand(D, device=device) + 0.5).to(dtype), (torch.rand(D, device=device) + 0.5).to(dtype)
+    cos, sin = rope_tables(D, 10000.0, S, device)
+    # NaN-poisoned caches: a slot the kernel should write and does not stays NaN and fails.
+    kc, vc = poisoned((B + 1, KVH, S, D), dtype, device), poisoned((B + 1, KVH, S, D), dtype, device)
+    return h, w, qn, kn, cos, sin, kc, vc
+
+
+def _two_step(h, w, qn, kn, cos, sin, pos, kc, vc, NH):
+    """Today's decode path: the GEMV (rounded to the I/O dtype), then the qk_norm_rope_cache op."""
+    return A.qk_norm_rope_cache(torch.nn.functional.linear(h, w), qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
+
+
+def _check_written(kc, vc, pos):
+    for b, p in enumerate(pos.tolist()):
+        assert torch.isfinite(kc[b, :, p]).all() and torch.isfinite(vc[b, :, p]).all()
+    written = torch.zeros(kc.shape[0], kc.shape[2], dtype=torch.bool)
+    written[torch.arange(len(pos)), pos.cpu()] = True
+    assert torch.isnan(kc.permute(0, 2, 1, 3)[~written]).all()  # nothing written elsewhere
+    assert torch.isnan(vc.permute(0, 2, 1, 3)[~written]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 3])
+def test_fused_qkv_matches_two_step_interpreter(interpreter, dtype, B):
+    H, NH, KVH, D, S = 64, 4, 2, 16, 24
+    h, w, qn, kn, cos, sin, kc, vc = _fused_inputs(B, H, NH, KVH, D, S, dtype)
+    pos = torch.tensor([5, 0, 23][:B])
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = A.qkv_proj_norm_rope_cache(h, w, qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
+    q_ref = _two_step(h, w, qn, kn, cos, sin, pos, kc2, vc2, NH)
+    _check_written(kc, vc, pos)
+    _check_written(kc2, vc2, pos)
+    # fp32: only the GEMV's summation order differs. bf16: the qkv rounding may land one ulp apart,
+    # which the norm and RoPE carry through (each output rounded once more).
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 8e-3)
+    assert q.shape == (B, NH, D) and torch.isfinite(q).all()
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=tol[0], rtol=tol[1])
+    torch.testing.assert_close(kc.float(), kc2.float(), atol=tol[0], rtol=tol[1], equal_nan=True)
+    torch.testing.assert_close(vc.float(), vc2.float(), atol=tol[0], rtol=tol[1], equal_nan=True)
+    if dtype == torch.float32:  # and both agree with float64 math
+        q64 = A.qkv_proj_norm_rope_cache_reference(h.double(), w.double(), qn.double(), kn.double(), cos.double(),
+                                                   sin.double(), pos, kc2.double(), vc2.double(), NH, 1e-6)
+        torch.testing.assert_close(q.double(), q64, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qkv_same_bits_when_gemv_is_exact_interpreter(interpreter, dtype):
+    # Small-integer h and weight: every partial sum is exact in fp32, so the GEMV's summation order
+    # cannot matter and the fused epilogue must reproduce the two-step path bit for bit.
+    B, H, NH, KVH, D, S = 3, 64, 4, 2, 16, 24
+    _, _, qn, kn, cos, sin, kc, vc = _fused_inputs(B, H, NH, KVH, D, S, dtype)
+    h = torch.randint(-4, 5, (B, H)).to(dtype)
+    w = torch.randint(-8, 9, ((NH + 2 * KVH) * D, H)).to(dtype)
+    pos = torch.tensor([7, 23, 1])
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = A.qkv_proj_norm_rope_cache(h, w, qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
+    q_ref = _two_step(h, w, qn, kn, cos, sin, pos, kc2, vc2, NH)
+    _check_written(kc, vc, pos)
+    assert torch.equal(q, q_ref)
+    torch.testing.assert_close(kc, kc2, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(vc, vc2, atol=0, rtol=0, equal_nan=True)
+
+
+def test_fused_qkv_opt_in_from_attention_decode(interpreter, monkeypatch):
+    from ember.models._common import Attention, AttentionConfig, Linear
+    H, NH, KVH, D, S, B = 64, 4, 2, 16, 24, 3
+    cfg = AttentionConfig(hidden_size=H, num_heads=NH, num_kv_heads=KVH, head_dim=D, rope_theta=10000.0,
+                          rms_norm_eps=1e-6)
+    h, w, qn, kn, cos, sin, _, _ = _fused_inputs(B, H, NH, KVH, D, S, torch.float32)
+    attn = Attention(cfg, Linear(w), Linear(torch.randn(H, NH * D) * 0.1), qn, kn)
+    pos = torch.tensor([4, 11, 0])
+    lens = (pos + 1).to(torch.int32)
+    calls = []
+    real = A.qkv_proj_norm_rope_cache
+    monkeypatch.setattr(A, "qkv_proj_norm_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("EMBER_FUSED_QKV", flag)
+        cache = (torch.zeros(B, KVH, S, D), torch.zeros(B, KVH, S, D))
+        outs[flag] = attn.decode(h, pos, lens, cos, sin, cache)
+        assert len(calls) == int(flag)  # read per call: off, then on
+    torch.testing.assert_close(outs["1"], outs["0"], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_qkv_bad_input():
+    H, NH, KVH, D, S = 64, 4, 2, 16, 24
+    h, w, qn, kn, cos, sin, kc, vc = _fused_inputs(1, H, NH, KVH, D, S, torch.float32)
+    kc, vc = torch.zeros(9, KVH, S, D), torch.zeros(9, KVH, S, D)
+    pos = torch.tensor([0])
+    with pytest.raises(ValueError, match="h: expected 1 to 8 rows"):
+        A.qkv_proj_norm_rope_cache(torch.randn(9, H), w, qn, kn, cos, sin, torch.zeros(9, dtype=torch.long), kc, vc,
+                                   num_heads=NH)
+    with pytest.raises(ValueError, match=r"weight: expected shape .*\[128, 64\], got \[128, 32\]"):
+        A.qkv_proj_norm_rope_cache(h, w[:, :32], qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
+    with pytest.raises(TypeError, match="weight: expected dtype torch.float32"):
+        A.qkv_proj_norm_rope_cache(h, w.bfloat16(), qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
+    with pytest.raises(ValueError, match="weight: expected a contiguous last dimension"):
+        A.qkv_proj_norm_rope_cache(h, w.t().contiguous().t(), qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
+    with pytest.raises(ValueError, match="positions: expected length 1 \\(rows of h\\)"):
+        A.qkv_proj_norm_rope_cache(h, w, qn, kn, cos, sin, torch.tensor([0, 1]), kc, vc, num_heads=NH)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_fused_qkv_real_shapes(cuda, B):
+    H, NH, KVH, D, S = 2048, 32, 4, 128, 4096  # Qwen3-30B-A3B attention
+    h, w, qn, kn, cos, sin, kc, vc = _fused_inputs(B, H, NH, KVH, D, S, torch.bfloat16, cuda)
+    pos = torch.tensor([4095, 0, 17, 1000, 2048, 3, 511, 77][:B], device=cuda)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = A.qkv_proj_norm_rope_cache(h, w, qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
+    q_ref = _two_step(h, w, qn, kn, cos, sin, pos, kc2, vc2, NH)
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(kc.float(), kc2.float(), atol=1e-2, rtol=8e-3, equal_nan=True)
+    torch.testing.assert_close(vc.float(), vc2.float(), atol=1e-2, rtol=8e-3, equal_nan=True)
+    _check_written(kc, vc, pos)

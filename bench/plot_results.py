@@ -1,0 +1,24 @@
+"""Redraw bench/results/h200/speedups.png from the committed suite JSONs (measured figures only).
+
+Rows whose baseline is not the like-for-like stock figure are left out of the chart: the batch-8
+MoE row (its baseline field is HF at batch 1) and the eager-dispatch row (ember vs ember through
+torch.library). Usage: python bench/plot_results.py
+"""
+import glob
+import json
+import pathlib
+
+from ember.bench import Row, plot
+
+HERE = pathlib.Path(__file__).parent / "results" / "h200"
+NOT_LIKE_FOR_LIKE = {"qwen3_moe_30b_a3b_bf16_b8", "add_rmsnorm_1x2048_eager_dispatch"}
+
+results = {}
+for f in sorted(glob.glob(str(HERE / "*.json"))):
+    d = json.load(open(f))
+    rows = [Row(r["name"], r["unit"], r["ember"], r["baseline"], r["baseline_name"]) for r in d["rows"]
+            if r.get("speedup") and r.get("baseline") and r["name"] not in NOT_LIKE_FOR_LIKE]
+    if rows:
+        results[d["suite"]] = rows
+plot(str(HERE / "speedups.png"), results)
+print(f"wrote {HERE / 'speedups.png'}: {sum(len(v) for v in results.values())} rows")

@@ -369,12 +369,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
         sa, s_am, s_ak = scale_a, scale_a.stride(0), 0
     else:
         sa, s_am, s_ak = scale_a, scale_a.stride(0), scale_a.stride(1)
-    if kind_b == "tensor":
-        s_bk, s_bn, group = 0, 0, 1
-    elif kind_b == "row":
-        s_bk, s_bn, group = 0, scale_b.stride(1), 1
-    else:
-        s_bk, s_bn, group = scale_b.stride(0), scale_b.stride(1), SCALE_BLOCK
+    s_bk, s_bn, group = _b_scale_strides(scale_b, kind_b)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
     _scaled_mm_kernel[grid](
@@ -395,6 +390,15 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
     return out
 
 
+def _b_scale_strides(scale_b, kind_b) -> tuple[int, int, int]:
+    """(stride along K, stride along N, columns per scale) of b's scale; 0 strides broadcast."""
+    if kind_b == "tensor":
+        return 0, 0, 1
+    if kind_b == "row":
+        return 0, scale_b.stride(1), 1
+    return scale_b.stride(0), scale_b.stride(1), SCALE_BLOCK
+
+
 def _launch_gemv(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, k_blocked, cfg) -> torch.Tensor:
     K, N = b.shape
     bn, chunks, kw = cfg["BLOCK_N"], cfg["CHUNKS"], cfg["KW"]
@@ -403,12 +407,7 @@ def _launch_gemv(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, k_blocked, c
     # scale strides along K and N (0 broadcasts); only M == 1 here, so a's row stride is irrelevant
     s_ak = scale_a.stride(1) if kind_a == "block" else 0
     sa = scale_a if kind_a is not None else b  # unused pointer in weight-only mode
-    if kind_b == "tensor":
-        s_bk, s_bn, group = 0, 0, 1
-    elif kind_b == "row":
-        s_bk, s_bn, group = 0, scale_b.stride(1), 1
-    else:
-        s_bk, s_bn, group = scale_b.stride(0), scale_b.stride(1), SCALE_BLOCK
+    s_bk, s_bn, group = _b_scale_strides(scale_b, kind_b)
     _gemv_kernel[(triton.cdiv(N, bn),)](
         a, b, sa, scale_b, bias if bias is not None else out, out, N, K,
         a.stride(1), b.stride(1), out.stride(1), s_ak, s_bk, s_bn,

@@ -138,6 +138,18 @@ def _gate_up_slice(acc_g, acc_u, x_ptr, t, stride_x, w_base, rows, row_mask, k0,
 
 
 @triton.jit
+def _store_silu_mul(acc_g, acc_u, h_ptr, pair, rows, row_mask, scale_ptr, e, stride_se, stride_sn,
+                    I: tl.constexpr, SCALE: tl.constexpr):
+    """Reduce the gate/up partial sums over K, apply row scales, store silu(g) * u rounded once."""
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    if SCALE == 1:
+        g *= _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn)
+        u *= _row_scale(scale_ptr, e, rows + I, row_mask, stride_se, stride_sn)
+    tl.store(h_ptr + pair * I + rows, round_to(_silu_mul(g, u), h_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
 def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, logits_ptr, ids_ptr, tw_ptr, h_ptr,
                          E, stride_x, stride_logits,
                          stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
@@ -172,12 +184,7 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, logits_ptr, ids_ptr, tw_ptr, h
         for k0 in range(0, H, BLOCK_K):
             acc_g, acc_u = _gate_up_slice(acc_g, acc_u, x_ptr, t, stride_x, w_base, rows, row_mask, k0, scale_ptr, e,
                                           stride_wn, stride_wk, stride_se, stride_sn, stride_sk, H, I, SCALE, BLOCK_K)
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
-    if SCALE == 1:
-        g *= _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn)
-        u *= _row_scale(scale_ptr, e, rows + I, row_mask, stride_se, stride_sn)
-    tl.store(h_ptr + pair * I + rows, round_to(_silu_mul(g, u), h_ptr.dtype.element_ty), mask=row_mask)
+    _store_silu_mul(acc_g, acc_u, h_ptr, pair, rows, row_mask, scale_ptr, e, stride_se, stride_sn, I, SCALE)
 
 
 @triton.jit
@@ -303,12 +310,7 @@ def _gate_up_gemv_v2_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, stride_x,
         else:
             acc_g += wg * xv
             acc_u += wu * xv
-    g = tl.sum(acc_g, axis=1)  # the one cross-lane reduction
-    u = tl.sum(acc_u, axis=1)
-    if SCALE == 1:
-        g *= _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn)
-        u *= _row_scale(scale_ptr, e, rows + I, row_mask, stride_se, stride_sn)
-    tl.store(h_ptr + pair * I + rows, round_to(_silu_mul(g, u), h_ptr.dtype.element_ty), mask=row_mask)
+    _store_silu_mul(acc_g, acc_u, h_ptr, pair, rows, row_mask, scale_ptr, e, stride_se, stride_sn, I, SCALE)  # the one cross-lane reduction
 
 
 @triton.jit

@@ -25,11 +25,7 @@ def make_vae(name, dtype=torch.float32):
 
 
 def diffusers_decode(vae, z, tile=None, overlap=None):
-    if tile is None:
-        vae.disable_tiling()
-    else:
-        vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
-                          tile_sample_stride_height=tile - overlap, tile_sample_stride_width=tile - overlap)
+    tiny.set_diffusers_tiling(vae, tile, overlap)
     with torch.no_grad():
         return vae.decode(z).sample
 

@@ -39,11 +39,7 @@ def make_video(vae, frames, h_lat, w_lat, batch=1, dtype=torch.float32):
 
 def diffusers_encode(vae, x, tile=None, overlap=None):
     """diffusers' posterior; tile/overlap in diffusers' own encode units (patchified px for Wan2.2)."""
-    if tile is None:
-        vae.disable_tiling()
-    else:
-        vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
-                          tile_sample_stride_height=tile - overlap, tile_sample_stride_width=tile - overlap)
+    tiny.set_diffusers_tiling(vae, tile, overlap)
     with torch.no_grad():
         return vae.encode(x).latent_dist
 

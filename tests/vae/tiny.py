@@ -24,3 +24,12 @@ def make_vae(configs: dict, name: str, dtype=torch.float32):
             elif "bias" in n:
                 p.normal_(0.0, 0.1)
     return vae.to(dtype)
+
+
+def set_diffusers_tiling(vae, tile=None, overlap=None):
+    """diffusers' own tiling switch: off for tile=None, else tiles of `tile` px overlapping by `overlap`."""
+    if tile is None:
+        vae.disable_tiling()
+    else:
+        vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                          tile_sample_stride_height=tile - overlap, tile_sample_stride_width=tile - overlap)

@@ -8,9 +8,9 @@ Three paths, picked by the token count T (all capturable: no host syncs, shapes 
   The gate_up GEMV can also recompute the routing itself (``moe_t1: FUSED_ROUTE``, saving a launch),
   but on the H200 that measured 30.6 us/layer against 28.2 us with the separate route kernel: the
   top-k reductions delay every program's first weight load.
-  ``EMBER_MOE_T1=v2`` (or ``moe_t1: GEMV``) selects the v2 T=1 kernels (``_gate_up_gemv_v2_kernel``,
-  ``_down_gemv_v2_kernel``): no shared-memory layout conversion in the K loop; unmeasured, so v1 stays
-  the default (analysis at ``_t1_v2_config``).
+  The default T=1 kernels are v2 (``_gate_up_gemv_v2_kernel``, ``_down_gemv_v2_kernel``: no
+  shared-memory layout conversion in the K loop; analysis and H200 figures at ``_t1_v2_config``);
+  ``EMBER_MOE_T1=v1`` (or ``moe_t1: GEMV``) selects the v1 kernels described above.
 * 2 <= T <= 16 (batched decode): the program of pair (t, j) serves expert ``ids[t, j]`` if that pair is
   the expert's first occurrence and exits otherwise, so each selected expert's weights are read once
   for all the tokens routed to it; tokens are rows of a 16-row ``tl.dot``. The down projection adds
@@ -44,10 +44,13 @@ GPU_CONFIG = {
     "gemv_down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, UNROLL=True),
     "grouped_decode": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "grouped_prefill": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-    "moe_t1": dict(FUSED_ROUTE=False, GEMV="v1"),  # FUSED_ROUTE: routing inside the gate_up GEMV (v1 only)
-    # v2 T=1 kernels (unmeasured; see _t1_v2_config): warps per program, rows per warp lane group
-    "gemv_v2_gate_up": dict(num_warps=4, ROWS=1, LANES=None),
-    "gemv_v2_down": dict(num_warps=4, ROWS=1, LANES=None),
+    # T=1: v2 measured faster than v1 on the H200 (ember.bench.moe_ops.sweep, Qwen3-30B-A3B shapes, us
+    # per layer): bf16 27.6 vs 28.4, fp8 row 20.6 vs 29.2, fp8 128-block 21.2 vs ~29 (see _t1_v2_config).
+    "moe_t1": dict(FUSED_ROUTE=False, GEMV="v2"),  # FUSED_ROUTE: routing inside the gate_up GEMV (v1 only)
+    # v2 kernels: warps per program, rows per warp lane group. Down takes 2 rows for fp8 weights
+    # (ROWS_FP8: 20.6 vs 21.4 us) but 1 for bf16 (27.6 vs 32.2 us: 2 rows of bf16 spill the partial sums).
+    "gemv_v2_gate_up": dict(num_warps=4, ROWS=2, ROWS_FP8=2, LANES=None),
+    "gemv_v2_down": dict(num_warps=4, ROWS=1, ROWS_FP8=2, LANES=None),
 }
 CPU_CONFIG = {
     "gemv_gate_up": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, UNROLL=True),
@@ -56,8 +59,8 @@ CPU_CONFIG = {
     "grouped_prefill": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1),
     "moe_t1": dict(FUSED_ROUTE=True, GEMV="v1"),
     # LANES=4: several K steps and ragged K masks even at H=64..256
-    "gemv_v2_gate_up": dict(num_warps=1, ROWS=2, LANES=4),
-    "gemv_v2_down": dict(num_warps=1, ROWS=2, LANES=4),
+    "gemv_v2_gate_up": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4),
+    "gemv_v2_down": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4),
 }
 DECODE_MAX_TOKENS = 16
 
@@ -568,7 +571,7 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
 
 
 def t1_variant(device: torch.device) -> str:
-    """Which T=1 GEMV kernels run: "v1" (measured, the default) or "v2".
+    """Which T=1 GEMV kernels run: "v2" (the GPU default) or "v1" (the CPU default, and FUSED_ROUTE's).
 
     EMBER_MOE_T1 (``v1``, ``v2``, or ``v2,gu_warps,gu_rows,dn_warps,dn_rows`` for sweeps) overrides
     GPU_CONFIG / CPU_CONFIG["moe_t1"]["GEMV"]; it is read per call (so also while capturing a graph).
@@ -618,11 +621,16 @@ def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
     16 B/clk = ~80 of the 128 issue slots at the floor rate; the route kernel and the gaps between the
     three launches, ~3-4 us, stay). Known leftover: with 128-wide K steps (BPS == 1, e.g. fp8 I=96)
     the block-scale load still takes a shared-memory conversion per step (10 bar.sync at H=256, I=96).
-    Measure with ``ember bench moe_ops`` (the ``_v2`` rows, timed in the same run as v1) and
-    ``ember.bench.moe_ops.sweep()`` (v1 vs v2 configs); if v2 wins, set GPU_CONFIG["moe_t1"]["GEMV"] =
-    "v2" and the best sweep config.
+    Measured (H200, ``ember.bench.moe_ops.sweep()``, us per layer, graph-timed over 48 layers' weights):
+    bf16 v2 27.6 (gate_up 4 warps x 2 rows, down 4 x 1) vs v1 28.4 vs floor 18.2; fp8 row 20.6 (4 x 2,
+    4 x 2) vs v1 29.2 vs floor 9.1; fp8 128-block 21.2 vs floor 9.1. So the fp8 kernels lost the L2
+    latency chain (-30%) but neither reaches the ~12-15 us expected: with 48 layers' weights rotating
+    through L2, the remaining gap is probably the three launches (~2 us each in a graph) and the down GEMV's
+    tail (256-512 programs on 132 SMs), not yet profiled; why bf16 gained only 3% is not understood.
     """
     cfg = _config(name, weight.device)
+    if weight.element_size() == 1:
+        cfg["ROWS"] = cfg["ROWS_FP8"]
     env = os.environ.get("EMBER_MOE_T1", "")
     if env.startswith("v2,"):
         gw, gr, dw, dr = (int(v) for v in env.split(",")[1:5])

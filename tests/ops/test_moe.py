@@ -430,7 +430,9 @@ def test_t1_v2_repeated_expert_and_sweep_config_interpreter(interpreter, poisone
 def test_t1_variant_switch(monkeypatch):
     from ember.kernels import moe as kmod
     monkeypatch.delenv("EMBER_MOE_T1", raising=False)
-    assert kmod.GPU_CONFIG["moe_t1"]["GEMV"] == "v1"  # the measured kernels stay the default
+    assert kmod.GPU_CONFIG["moe_t1"]["GEMV"] == "v2"  # measured faster on the H200
+    assert kmod.t1_variant(torch.device("cpu")) == "v1"  # the interpreter default keeps FUSED_ROUTE covered
+    monkeypatch.setenv("EMBER_MOE_T1", "v1")
     assert kmod.t1_variant(torch.device("cpu")) == "v1"
     monkeypatch.setenv("EMBER_MOE_T1", "v2,4,1,4,1")
     assert kmod.t1_variant(torch.device("cpu")) == "v2"

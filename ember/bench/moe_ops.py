@@ -16,11 +16,11 @@ experts' weights, two einsums), captured in a graph too; for fp8 the same loop d
 gathered experts first. For prefill the baseline is the eager per-expert loop (transformers-style:
 find the tokens of each expert, two linears), which syncs and so is timed eagerly with CUDA events.
 
-T=1 kernel variants: the ``_v2`` rows time the v2 GEMV kernels (``EMBER_MOE_T1=v2``; analysis at
-``ember.kernels.moe._t1_v2_config``, unmeasured when written) in the same run as the default v1 rows,
-with ``vs_v1`` = v1 time / v2 time. ``sweep()`` times v1 and several v2 configs at T=1 (bf16 and
-fp8 with 128x128 block and row scales); if v2 wins, set ``GPU_CONFIG["moe_t1"]["GEMV"] = "v2"`` (and
-the best config) in ember/kernels/moe.py.
+T=1 kernel variants: the default rows run the v2 GEMV kernels (analysis and figures at
+``ember.kernels.moe._t1_v2_config``); the ``_v1`` rows time the older v1 kernels (``EMBER_MOE_T1=v1``)
+in the same run, with ``default_speedup`` = v1 time / default time. ``sweep()`` times v1 and several
+v2 configs at T=1 (bf16 and fp8 with 128x128 block and row scales), and grouped-GEMM tile configs for
+a 2048-token prefill; the winners are GPU_CONFIG in ember/kernels/moe.py.
 """
 from __future__ import annotations
 
@@ -129,23 +129,23 @@ def run(ctx: BenchContext) -> list[Row]:
     moe = _moe_module().moe
     if ctx.quick:
         e, k, h, i, layers = 16, 4, 256, 128, 2
-        cases = [("T1_bf16", 1, torch.bfloat16), ("T1_bf16_v2", 1, torch.bfloat16), ("T32_bf16", 32, torch.bfloat16)]
+        cases = [("T1_bf16", 1, torch.bfloat16), ("T1_bf16_v1", 1, torch.bfloat16), ("T32_bf16", 32, torch.bfloat16)]
     else:
         e, k, h, i, layers = E, K, H, I, LAYERS
-        cases = [("T1_bf16", 1, torch.bfloat16), ("T1_bf16_v2", 1, torch.bfloat16), ("T1_fp8", 1, FP8),
-                 ("T1_fp8_v2", 1, FP8), ("T16_bf16", 16, torch.bfloat16), ("T512_bf16", 512, torch.bfloat16)]
+        cases = [("T1_bf16", 1, torch.bfloat16), ("T1_bf16_v1", 1, torch.bfloat16), ("T1_fp8", 1, FP8),
+                 ("T1_fp8_v1", 1, FP8), ("T16_bf16", 16, torch.bfloat16), ("T512_bf16", 512, torch.bfloat16)]
     expert_bytes = {torch.bfloat16: 3 * h * i * 2, FP8: 3 * h * i}
     weights = {}
     rows = []
-    v1_times, inputs, base_times = {}, {}, {}
+    default_times, inputs, base_times = {}, {}, {}
     for label, T, dtype in cases:
         ctx.progress(f"moe {label}")
-        variant = "v2" if label.endswith("_v2") else None
-        base_label = label.removesuffix("_v2")
+        variant = "v1" if label.endswith("_v1") else None
+        base_label = label.removesuffix("_v1")
         if dtype not in weights:
             weights = {dtype: _layers(layers, dtype, ctx.device, e, h, i)}  # free the other dtype first
         ws = weights[dtype]
-        if base_label not in inputs:  # a _v2 row reuses its v1 row's inputs (and baseline time)
+        if base_label not in inputs:  # a _v1 row reuses its default row's inputs (and baseline time)
             inputs[base_label] = ([torch.randn(T, h, device=ctx.device, dtype=torch.bfloat16) for _ in ws],
                                   [torch.randn(T, e, device=ctx.device) for _ in ws])
         xs, logits = inputs[base_label]
@@ -154,7 +154,7 @@ def run(ctx: BenchContext) -> list[Row]:
         with t1_kernels(variant):  # read while the calls are captured into the timing graph
             t_ember = ctx.time_us(ember_calls)
         if variant is None:
-            v1_times[label] = t_ember
+            default_times[label] = t_ember
         distinct = sum(_distinct_experts(logits, k)) / len(logits)
         nbytes = distinct * expert_bytes[dtype]
         floor_us = nbytes / COPY_BW_GBPS / 1e3
@@ -182,7 +182,7 @@ def run(ctx: BenchContext) -> list[Row]:
         rows.append(Row(name, "us", t_ember, t_base, base_name, target=target, meets=meets if ctx.on_gpu else None,
                         extra={"achieved_gbps": gbps, "fraction_of_copy_bw": frac, "floor_us": floor_us,
                                "mb_read": nbytes / 1e6, "distinct_experts": distinct, "tokens": T,
-                               **({"t1_kernels": variant, "vs_v1": v1_times[base_label] / t_ember}
+                               **({"t1_kernels": variant, "default_speedup": t_ember / default_times[base_label]}
                                   if variant else {})}))
     return rows
 
@@ -231,7 +231,46 @@ def sweep(path: str | None = None, budget_s: float = 120.0) -> dict:
         print(f"T1_{wlabel} floor_us {floor:.1f}", *[f"{t:.1f} us  {spec}  {note}" for t, spec, note in table],
               sep="\n  ", flush=True)
         del ws, calls
+    try:
+        results["T2048_bf16_prefill"] = _sweep_prefill(moe, dev, budget_s)
+    except Exception as exc:  # the T=1 tables above are still written
+        results["T2048_bf16_prefill"] = f"{type(exc).__name__}: {exc}"[:300]
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
     return results
+
+
+# grouped_prefill tile configs for sweep(): BLOCK_N, BLOCK_K, num_warps, num_stages
+SWEEP_PREFILL = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3),
+                 (128, 64, 8, 4), (64, 64, 8, 4), (256, 64, 8, 3), (128, 32, 4, 4)]
+
+
+def _sweep_prefill(moe, dev, budget_s: float, T: int = 2048) -> dict:
+    """Time grouped-GEMM tile configs for a T-token bf16 prefill (the floor here is compute: ~1.6 TFLOP/layer)."""
+    kmod = importlib.import_module("ember.kernels.moe")
+    saved = dict(kmod.GPU_CONFIG["grouped_prefill"])
+    ws = _layers(2, torch.bfloat16, dev, E, H, I)
+    xs = [torch.randn(T, H, device=dev, dtype=torch.bfloat16) for _ in ws]
+    logits = [torch.randn(T, E, device=dev) for _ in ws]
+    calls = [lambda x=x, lg=lg, w=w: moe(x, lg, w[0], w[1], K) for x, lg, w in zip(xs, logits, ws)]
+    expected = calls[0]().float()
+    flops = 2 * T * K * 3 * H * I
+    table, t0 = [], time.time()
+    try:
+        for bn, bk, warps, stages in SWEEP_PREFILL:
+            if time.time() - t0 > budget_s:
+                break
+            kmod.GPU_CONFIG["grouped_prefill"] = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            label = f"BN{bn} BK{bk} w{warps} s{stages}"
+            try:
+                diff = (calls[0]().float() - expected).abs().max().item()
+                us = _timing.graph_time_us(calls, replays=10)
+                table.append((us, label, f"{flops / us / 1e6:.0f} TFLOP/s; max|out - default| {diff:.3g}"))
+            except Exception as exc:
+                table.append((float("inf"), label, f"{type(exc).__name__}: {exc}"[:200]))
+    finally:
+        kmod.GPU_CONFIG["grouped_prefill"] = saved
+    table.sort(key=lambda r: r[0])
+    print(f"T{T}_bf16_prefill (default {saved})", *[f"{t:.1f} us  {c}  {n}" for t, c, n in table], sep="\n  ", flush=True)
+    return {"floor_us_compute": flops / 790e12 * 1e6, "table": table}

@@ -6,6 +6,7 @@
 #   bash bench/run_h200.sh moe_hybrid             # LFM2 / Qwen3.5 (HF baselines are slow)
 #   bash bench/run_h200.sh vae                    # needs the diffusers wheel in .whl/ (README of the device tool)
 #   bash bench/run_h200.sh sweeps                 # fp8 GEMV tiles, MoE T=1 v1 vs v2 (pick the defaults from these)
+#   bash bench/run_h200.sh prefill_sweep profile_vae  # MoE prefill tiles; where the VAE decode spends time
 # Results land in $OUT (or ./out): <suite>.json, gpu_tests.txt, doctor.txt; copy them to bench/results/h200/.
 set -u
 OUT=${OUT:-out}
@@ -21,6 +22,10 @@ for what in "$@"; do
   if [ "$what" = sweeps ]; then
     timeout 200 python -c "from ember.bench.fp8 import sweep; sweep('$OUT/fp8_sweep.json')" 2>&1 | tail -20
     timeout 200 python -c "from ember.bench.moe_ops import sweep; sweep('$OUT/moe_t1_sweep.json')" 2>&1 | tail -20
+  elif [ "$what" = prefill_sweep ]; then
+    timeout 200 python -c "from ember.bench.moe_ops import sweep; sweep('$OUT/moe_prefill_sweep.json', parts=('prefill',))" 2>&1 | tail -15
+  elif [ "$what" = profile_vae ]; then
+    timeout 200 python bench/profile_vae.py 2>&1 | tail -45 | tee "$OUT/profile_vae.txt"
   elif [ "$what" = tests ]; then
     timeout 400 python -m pytest -m gpu -n 14 -q --tb=line -p no:cacheprovider tests/ > "$OUT/gpu_tests.txt" 2>&1
     grep -E "^FAILED|passed|failed" "$OUT/gpu_tests.txt" | tail -30

@@ -194,7 +194,7 @@ SWEEP_T1 = [("v1", "v1 (default)"), ("v2", "v2 default config")] + [
                            (8, 1, 8, 1), (4, 2, 4, 2)]]
 
 
-def sweep(path: str | None = None, budget_s: float = 120.0) -> dict:
+def sweep(path: str | None = None, budget_s: float = 120.0, parts: tuple[str, ...] = ("t1", "prefill")) -> dict:
     """Time the T=1 kernel variants/configs at Qwen3-30B-A3B shapes (on the GPU; prints and returns the table).
 
     One H200 run: ``python -c "from ember.bench.moe_ops import sweep; sweep('$OUT/moe_t1_sweep.json')"``.
@@ -203,7 +203,8 @@ def sweep(path: str | None = None, budget_s: float = 120.0) -> dict:
     dev = torch.device("cuda")
     t0 = time.time()
     results = {}
-    for wlabel, dtype, scale in (("bf16", torch.bfloat16, None), ("fp8_block", FP8, "block"), ("fp8_row", FP8, "row")):
+    t1_cases = (("bf16", torch.bfloat16, None), ("fp8_block", FP8, "block"), ("fp8_row", FP8, "row"))
+    for wlabel, dtype, scale in t1_cases if "t1" in parts else ():
         ws = _layers(LAYERS, dtype, dev, E, H, I)
         if scale == "row":  # per-row decode scales instead of 128x128 blocks (same fp8 bits, coarser scale)
             ws = [(q13, q2, s13.amax(2).repeat_interleave(128, 1)[:, :2 * I].contiguous(),
@@ -232,7 +233,8 @@ def sweep(path: str | None = None, budget_s: float = 120.0) -> dict:
               sep="\n  ", flush=True)
         del ws, calls
     try:
-        results["T2048_bf16_prefill"] = _sweep_prefill(moe, dev, budget_s)
+        if "prefill" in parts:
+            results["T2048_bf16_prefill"] = _sweep_prefill(moe, dev, budget_s)
     except Exception as exc:  # the T=1 tables above are still written
         results["T2048_bf16_prefill"] = f"{type(exc).__name__}: {exc}"[:300]
     if path:

@@ -1,9 +1,9 @@
 """Triton kernels for FP8: activation quantisation and scaled matmul (GEMV and GEMM regimes).
 
 ``scaled_mm`` has a GEMV kernel and one tiled kernel with two regimes chosen by M:
-* M == 1 with a K-contiguous b (``w.t()``, what Fp8Linear passes): ``_gemv_kernel``, one launch,
-  K-fastest tiles, one warp per weight row, no split-K. ``_gemv_config`` holds the sm_90 PTX/SASS
-  analysis behind it (unmeasured on the GPU so far).
+* M == 1 with a K-contiguous b (``w.t()``, what Fp8Linear passes): the GEMV kernel shared with
+  ``ember.ops.linear`` (``ember.kernels.gemv``): one launch, K-fastest tiles, one warp per weight
+  row, no split-K. Its config rule and the H200 measurements behind it are in ``gemv.gemv_config``.
 * M <= 16 otherwise (decode): memory-bound; each weight byte is read once. Programs tile N finely and split K
   (fp32 partials to a workspace, summed by a small second kernel) so that every SM has several
   programs streaming weight bytes. M == 1 multiplies on the CUDA cores (no padding to a 16-row MMA);
@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels import gemv
 from ember.kernels._common import round_to
 
 # tl.constexpr: @triton.jit code may read module globals only in this form (the interpreter is laxer)
@@ -205,68 +206,6 @@ def _split_k_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_on
     tl.store(out_ptr + m * stride_om + n * stride_on, round_to(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
-                 stride_ak, stride_bn, stride_on, stride_sak, stride_sbk, stride_sbn,
-                 A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr, SB_N_GROUP: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, KW: tl.constexpr,
-                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """M == 1 with a K-contiguous ``b`` (``w.t()``): one program owns BLOCK_N outputs and all of K.
-
-    A step reads a [BLOCK_N, CHUNKS, KW] tile, k = k0 + chunk * KW + j, K fastest: each thread loads
-    16 contiguous weight bytes per vector, one warp per row, and each thread keeps one row and
-    CHUNKS vectors (so its `a` values are not reloaded per row). `a` is loaded with the weight
-    tile's shape so that Triton gives both the same layout (no shared-memory move in the loop).
-    Products accumulate elementwise in fp32 and are reduced over K once, after the loop; with
-    128x128 block scales (KW == 128) each chunk is one scale block, reduced per step inside a warp.
-    EVEN_N / EVEN_K drop the masks (and the zero fill of masked lanes) when the tiles divide N / K.
-    """
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = (offs_n < N) | EVEN_N
-    # rows before chunks: Triton orders ties in contiguity by dimension, so warps go to rows first
-    rows = (b_ptr + offs_n.to(tl.int64) * stride_bn)[:, None, None]  # [BN, 1, 1]: each b column
-    mask_rows = mask_n[:, None, None]
-    offs_c = tl.arange(0, CHUNKS)
-    offs_k = offs_c[None, :, None] * KW + tl.arange(0, KW)[None, None, :]  # [1, C, KW]
-    shape: tl.constexpr = (BLOCK_N, CHUNKS, KW)
-    if K_BLOCKED:
-        acc = tl.zeros([BLOCK_N, CHUNKS], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, CHUNKS, KW], dtype=tl.float32)
-    for k0 in range(0, K, CHUNKS * KW):
-        ks = k0 + offs_k
-        a_ptrs = tl.broadcast_to(a_ptr + ks * stride_ak, shape)
-        if EVEN_N and EVEN_K:
-            w = tl.load(rows + ks)
-            a = tl.load(a_ptrs)
-        else:
-            mask_k = (ks < K) | EVEN_K
-            w = tl.load(rows + ks, mask=mask_rows & mask_k, other=0.0)
-            a = tl.load(a_ptrs, mask=tl.broadcast_to(mask_k, shape), other=0.0)
-        prod = w.to(tl.float32) * a.to(tl.float32)
-        if K_BLOCKED:  # KW == 128 and k0 % 128 == 0: chunk c is scale block k0 // 128 + c
-            kb = k0 // 128 + offs_c
-            mask_kb = kb * 128 < K
-            s = tl.load(sb_ptr + kb[None, :] * stride_sbk + (offs_n // SB_N_GROUP)[:, None] * stride_sbn,
-                        mask=mask_n[:, None] & mask_kb[None, :], other=0.0)
-            if A_SCALED:
-                s = s * tl.load(sa_ptr + kb * stride_sak, mask=mask_kb, other=0.0)[None, :]
-            acc += tl.sum(prod, axis=2) * s
-        else:
-            acc += prod
-    if K_BLOCKED:
-        out = tl.sum(acc, axis=1)
-    else:
-        # per-column (or tensor) weight scale and the activation scale: once, after the K reduction
-        out = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(sb_ptr + offs_n * stride_sbn, mask=mask_n, other=0.0)
-        if A_SCALED:
-            out = out * tl.load(sa_ptr)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n * stride_on, round_to(out, out_ptr.dtype.element_ty), mask=mask_n)
-
-
 # ----------------------------------------------------------------------------- configuration
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -279,27 +218,8 @@ def _fp8_dot_supported(device: torch.device) -> bool:
 
 
 def _gemv_config(N: int, K: int, k_blocked: bool) -> dict:
-    """M == 1, K-contiguous b: one warp per weight row, 4 x 16 weight bytes per thread per step.
-
-    Unmeasured (no GPU this session; reasoning from sm_90 PTX/SASS, triton 3.6). Floor = N*K bytes /
-    4.15 TB/s: 16.2 us (8192^2), 4.0 (4096^2), 0.76 (1536x2048), 0.38 (2048x768). The split-K kernel
-    it replaces reached 33% of that: each 256x64 K step moved its whole weight tile through shared
-    memory (convert_layout) and reduced over K across warps (324 shuffles, 11 bar.sync, 1424 PTX
-    instructions per 128 weight bytes per thread), then a second launch summed an fp32 workspace;
-    1536x2048 and 2048x768 ran only 48 and 32 programs on 132 SMs. Here: N/4 programs (2048, 1024,
-    384, 512 for the shapes above), one launch, no shared memory or barrier in the loop, 12
-    ld.global.v4 per step (4 weight + 8 bf16 `a`), 124 registers, no spills, 312 SASS instructions
-    per 64 weight bytes per thread (HADD2.F32 + FFMA + F2FP.E4M3.UNPACK per pair + bf16 unpack). At
-    4.15 TB/s an SM must take 31 B/clk, so ~4.4-4.9 instructions per byte is ~135-150 of the 128
-    thread-instructions an SM issues per clock: expect ~75-90% of the floor (8192^2: ~19-22 us,
-    1.5-1.8x bf16); the two small shapes are launch-bound (~3 us). Verify with
-    ``ember.bench.fp8.sweep`` (EMBER_FP8_CONFIG=gemv,...).
-    """
-    kw = 128 if k_blocked else min(512, max(16, triton.next_power_of_2(K)))
-    chunks = min(4, triton.next_power_of_2(-(-K // kw)))
-    warps = 4
-    rows_per_warp = 32 // min(32, kw // 16)  # a warp spans 32 x 16 bytes of K, or several shorter rows
-    return dict(GEMV=True, BLOCK_N=warps * rows_per_warp, CHUNKS=chunks, KW=kw, num_warps=warps)
+    """M == 1, K-contiguous fp8 b: the shared GEMV's rule (measured table in ember.kernels.gemv)."""
+    return gemv.gemv_config(N, K, 1, k_blocked)
 
 
 def _config(M: int, N: int, K: int, k_blocked: bool, device: torch.device,
@@ -401,17 +321,10 @@ def _b_scale_strides(scale_b, kind_b) -> tuple[int, int, int]:
 
 def _launch_gemv(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, k_blocked, cfg) -> torch.Tensor:
     K, N = b.shape
-    bn, chunks, kw = cfg["BLOCK_N"], cfg["CHUNKS"], cfg["KW"]
-    if k_blocked and kw != SCALE_BLOCK:
-        raise ValueError(f"config: 128-block scales need KW == {SCALE_BLOCK}, got {kw}")
     # scale strides along K and N (0 broadcasts); only M == 1 here, so a's row stride is irrelevant
     s_ak = scale_a.stride(1) if kind_a == "block" else 0
-    sa = scale_a if kind_a is not None else b  # unused pointer in weight-only mode
     s_bk, s_bn, group = _b_scale_strides(scale_b, kind_b)
-    _gemv_kernel[(triton.cdiv(N, bn),)](
-        a, b, sa, scale_b, bias if bias is not None else out, out, N, K,
-        a.stride(1), b.stride(1), out.stride(1), s_ak, s_bk, s_bn,
-        A_SCALED=kind_a is not None, K_BLOCKED=k_blocked, SB_N_GROUP=group, HAS_BIAS=bias is not None,
-        BLOCK_N=bn, CHUNKS=chunks, KW=kw, EVEN_N=N % bn == 0, EVEN_K=K % (chunks * kw) == 0,
-        num_warps=cfg["num_warps"], num_stages=1)
-    return out
+    return gemv.launch(a, a.stride(1), b, b.stride(1), N, K, out, out.stride(1), bias, cfg,
+                       scale_a=scale_a if kind_a is not None else None, stride_sak=s_ak,
+                       scale_b=scale_b, stride_sbk=s_bk, stride_sbn=s_bn, sb_n_group=group,
+                       k_blocked=k_blocked)

@@ -79,7 +79,8 @@ class Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # a one-row x on CUDA (batch-1 decode) takes ember's GEMV; everything else is F.linear
+        return ember.ops.linear(x, self.weight, self.bias)
 
 
 # ----------------------------------------------------------------------------- attention

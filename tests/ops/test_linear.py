@@ -1,0 +1,222 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ember
+from ember import _dispatch
+from tests.helpers import assert_close, poisoned
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+linear_mod = __import__("ember.ops.linear", fromlist=["linear"])
+
+
+def operands(N, K, dtype, *, bias=True, device="cpu", lead=(1,)):
+    """x [*lead, K], weight [N, K] scaled so outputs are O(1), bias [N] (or None)."""
+    x = torch.randn(*lead, K, device=device).to(dtype)
+    w = (torch.randn(N, K, device=device) / math.sqrt(max(K, 1))).to(dtype)
+    b = torch.randn(N, device=device).to(dtype) if bias else None
+    return x, w, b
+
+
+def float64_linear(x, w, b):
+    """Independent float64 math on the (already rounded) operands."""
+    out = x.double().cpu() @ w.double().cpu().T
+    return out if b is None else out + b.double().cpu()
+
+
+def gemv_calls(monkeypatch):
+    """Record every launch of the GEMV kernel's ``linear`` launcher."""
+    k = _dispatch.kernels("gemv")
+    calls, real = [], k.linear
+    monkeypatch.setattr(k, "linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    return calls
+
+
+# ------------------------------------------------------------------ reference and the non-Triton path
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_reference_matches_float64(dtype, bias):
+    x, w, b = operands(100, 768, dtype, bias=bias, lead=(3, 5))
+    got = linear_mod.linear_reference(x, w, b)
+    assert got.dtype == dtype and got.shape == (3, 5, 100)
+    assert_close(got, float64_linear(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead", [(1,), (4,), (2, 3)])
+def test_cpu_path_is_f_linear_bit_for_bit(dtype, lead):
+    # the models' oracle tests vs transformers rely on the CPU path being exactly F.linear
+    x, w, b = operands(64, 100, dtype, lead=lead)
+    assert torch.equal(ember.ops.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(ember.ops.linear(x, w), F.linear(x, w))
+
+
+# ------------------------------------------------------------------ GEMV kernel (interpreter) vs float64
+SHAPES = [(1, 1), (7, 100), (100, 7), (64, 768), (768, 64), (1, 2053), (2053, 7), (64, 2053)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, K", SHAPES)
+def test_gemv_matches_float64_interpreter(interpreter, monkeypatch, dtype, N, K):
+    calls = gemv_calls(monkeypatch)
+    for bias in (True, False):
+        x, w, b = operands(N, K, dtype, bias=bias)
+        got = ember.ops.linear(x, w, b)
+        assert got.dtype == dtype and got.shape == (1, N)
+        assert_close(got, float64_linear(x, w, b), dtype)
+    assert len(calls) == 2  # both went through the Triton GEMV
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_non_contiguous_x_interpreter(interpreter, monkeypatch, dtype):
+    calls = gemv_calls(monkeypatch)
+    _, w, b = operands(37, 300, dtype)
+    wide = torch.randn(2, 1, 900).to(dtype)
+    x = wide[1:, :, ::3]  # [1, 1, 300], stride 3 along K, non-zero storage offset
+    assert not x.is_contiguous()
+    got = ember.ops.linear(x, w, b)
+    assert got.shape == (1, 1, 37)
+    assert_close(got, float64_linear(x.reshape(1, 300), w, b).reshape(1, 1, 37), dtype)
+    x1 = torch.randn(300, 2).to(dtype)[:, 0]  # a 1-d x with stride 2
+    assert_close(ember.ops.linear(x1, w), float64_linear(x1[None], w, None)[0], dtype)
+    assert len(calls) == 2
+
+
+# several rows per warp (KW below a warp's 512 bytes), several chunks and K steps, tiles that divide N
+# and K (no masks) and tiles that do not
+GEMV_CONFIGS = [dict(GEMV=True, BLOCK_N=4, CHUNKS=2, KW=256, num_warps=4),
+                dict(GEMV=True, BLOCK_N=16, CHUNKS=4, KW=64, num_warps=2),
+                dict(GEMV=True, BLOCK_N=8, CHUNKS=1, KW=128, num_warps=4)]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS)
+@pytest.mark.parametrize("N, K", [(16, 1024), (37, 520)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_configs_write_every_output_interpreter(interpreter, config, N, K, dtype):
+    x, w, b = operands(N, K, dtype)
+    out = poisoned((1, N), dtype, "cpu")
+    got = _dispatch.kernels("gemv").linear(x, w, b, config=config, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(out, float64_linear(x, w, b), dtype)
+
+
+def test_gemv_config_rule():
+    cfg = _dispatch.kernels("gemv").gemv_config
+    # the measured fp8 picks (ember.kernels.gemv docstring): (BLOCK_N, CHUNKS, KW, num_warps)
+    pick = {shape: tuple(cfg(*shape, 1)[k] for k in ("BLOCK_N", "CHUNKS", "KW", "num_warps"))
+            for shape in [(8192, 8192), (4096, 4096), (1536, 2048), (2048, 768)]}
+    assert pick == {(8192, 8192): (8, 1, 512, 4), (4096, 4096): (8, 2, 512, 4),
+                    (1536, 2048): (4, 4, 512, 4), (2048, 768): (8, 2, 512, 4)}
+    # the same rule in bytes: 512 bytes of K per warp-row, one chunk from 8 KiB rows
+    assert cfg(5120, 2048, 2)["KW"] == 256 and cfg(5120, 2048, 2)["CHUNKS"] == 2
+    assert cfg(2048, 4096, 2)["CHUNKS"] == 1 and cfg(2048, 4096, 4)["KW"] == 128
+    # short rows: several rows per warp, so BLOCK_N grows to keep every thread loading
+    assert cfg(100, 7, 2) == dict(GEMV=True, BLOCK_N=128, CHUNKS=1, KW=8, num_warps=4)
+
+
+# ------------------------------------------------------------------ dispatch
+def test_dispatch_gemv_only_for_one_row_and_k_contiguous_weight(interpreter, monkeypatch):
+    calls = gemv_calls(monkeypatch)
+    x, w, b = operands(24, 96, torch.bfloat16, lead=(2,))
+    assert torch.equal(ember.ops.linear(x, w, b), F.linear(x, w, b))  # 2 rows: F.linear
+    w_rows_strided = w.t().contiguous().t()  # same values, stride 24 along K
+    assert torch.equal(ember.ops.linear(x[:1], w_rows_strided, b), F.linear(x[:1], w, b))
+    assert calls == []
+    ember.ops.linear(x[:1], w, b)
+    assert calls == [w.shape]
+
+
+def test_empty_products(interpreter):
+    x, w, b = torch.randn(1, 0), torch.randn(5, 0), torch.randn(5)
+    assert torch.equal(ember.ops.linear(x, w, b), b[None])
+    assert ember.ops.linear(torch.randn(1, 8), torch.randn(0, 8)).shape == (1, 0)
+    assert ember.ops.linear(torch.randn(0, 8), torch.randn(3, 8)).shape == (0, 3)
+
+
+@pytest.mark.parametrize("force", [True, False])
+def test_torch_compile_fullgraph_cpu(monkeypatch, force):
+    if force:
+        if not _dispatch.triton_available() or torch.cuda.is_available():
+            pytest.skip("the forced-Triton compile test runs on CPU-only machines with triton")
+        monkeypatch.setenv("EMBER_FORCE_TRITON", "1")
+    x, w, b = operands(40, 200, torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: ember.ops.linear(x, w, b) * 2, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), ember.ops.linear(x, w, b) * 2, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------ bad input
+def _bad(**kw):
+    x, w, b = operands(8, 16, torch.bfloat16)
+    args = dict(x=x, weight=w, bias=b)
+    args.update(kw)
+    return lambda: ember.ops.linear(args["x"], args["weight"], args["bias"])
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (_bad(x=[1.0] * 16), TypeError, "x: expected a torch.Tensor"),
+    (_bad(x=torch.ones(1, 16, dtype=torch.int32)), TypeError, "x: expected dtype"),
+    (_bad(x=torch.tensor(1.0, dtype=torch.bfloat16)), ValueError, "x: expected at least 1"),
+    (_bad(weight=torch.randn(8, 16)), TypeError, "weight: expected dtype torch.bfloat16 (the dtype of x)"),
+    (_bad(weight=torch.randn(16, dtype=torch.bfloat16)), ValueError, "weight: expected a 2-d tensor"),
+    (_bad(weight=torch.randn(8, 15, dtype=torch.bfloat16)), ValueError, "weight: expected 16 columns"),
+    (_bad(weight=torch.randn(8, 16).to(torch.float8_e4m3fn)), TypeError, "weight: expected dtype in"),
+    (_bad(bias=torch.randn(8)), TypeError, "bias: expected dtype torch.bfloat16 (the dtype of x)"),
+    (_bad(bias=torch.randn(9, dtype=torch.bfloat16)), ValueError, "bias: expected length 8"),
+    (_bad(bias=torch.randn(1, 8, dtype=torch.bfloat16)), ValueError, "bias: expected a 1-d tensor"),
+    (_bad(weight=torch.randn(8, 16, dtype=torch.bfloat16, device="meta")), ValueError, "weight: expected device cpu"),
+    (_bad(bias=torch.randn(8, dtype=torch.bfloat16, device="meta")), ValueError, "bias: expected device cpu"),
+])
+def test_bad_input(call, exc, words):
+    with pytest.raises(exc) as e:
+        call()
+    assert words in str(e.value)
+
+
+# ------------------------------------------------------------------ GPU
+QWEN3_30B_A3B_SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048)]  # qkv, o, router, lm_head
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K", QWEN3_30B_A3B_SHAPES)
+def test_gpu_qwen3_30b_a3b_shapes(cuda, N, K):
+    x, w, _ = operands(N, K, torch.bfloat16, bias=False, device=cuda, lead=(1, 1))
+    assert linear_mod._takes_gemv(x, w)
+    got = ember.ops.linear(x, w)
+    assert got.shape == (1, 1, N)
+    exp64 = float64_linear(x.reshape(1, K), w, None).reshape(1, 1, N)
+    assert_close(got, exp64, torch.bfloat16)  # fp32 sums, one rounding to bf16
+    assert_close(got, F.linear(x, w), torch.bfloat16)  # within bf16 rounding of cuBLAS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, K", [(37, 300), (2053, 2061), (1024, 8192)])
+def test_gpu_dtypes_bias_and_strided_x(cuda, dtype, N, K):
+    _, w, b = operands(N, K, dtype, device=cuda)
+    x = torch.randn(1, 2 * K, device=cuda).to(dtype)[:, ::2]
+    got = ember.ops.linear(x, w, b)
+    assert_close(got, float64_linear(x, w, b), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_and_compile_fullgraph(cuda):
+    x, w, b = operands(5120, 2048, torch.bfloat16, device=cuda, lead=(1, 1))
+
+    def f(x):
+        return ember.ops.linear(x, w, b) * 2
+
+    exp = f(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), exp, atol=0, rtol=0)
+    f(x)  # warm-up outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = f(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, f(x), atol=0, rtol=0)
+    assert_close(out / 2, float64_linear(x.reshape(1, -1), w, b).reshape(1, 1, -1), torch.bfloat16)

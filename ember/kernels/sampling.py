@@ -4,7 +4,22 @@ Two shapes of work:
   * rows up to ``ROW_BLOCK_MAX`` elements: one row per program, the row held in registers (1 launch);
   * longer rows: split over ``P <= 128`` programs per row. Launch 1 (``_chunk_stats_kernel``) writes
     each chunk's max, sum of exp and first argmax; launch 2 combines the P statistics of its row and
-    finishes (normalise, pick the argmax, or sample).
+    finishes (normalise, or sample).
+  * longer rows, one launch: inside a CUDA graph every dependent launch costs ~2 us of latency, more
+    than the HBM time of a [1, 128256] row (0.12 us), so the few-row cases run as ONE launch:
+      - argmax (``_argmax_split_kernel``): every program packs (value key, inverted index) into an
+        int64 ``atomic_max`` on its row's slot; the last program of the row (arrival counter) writes
+        the index and puts slot and counter back to their initial values;
+      - softmax / log-softmax (``_softmax_one_launch_kernel``), when all B * P programs fit on the
+        GPU at once (B * P <= SM count, real GPU only): each program publishes its chunk's max and sum
+        of exp, waits at a grid barrier, combines its row's P partials and normalises the chunk it
+        still holds in registers (the row is read once, not twice). ``EMBER_SOFTMAX_ONE_LAUNCH=0``
+        forces the two-launch path (A/B timing).
+    Both keep their counters in a small persistent per-device workspace (``_workspace``) that every
+    launch leaves in its initial state, so no memset launch is needed and the ops stay capturable.
+    Expected (not yet measured): ~2 us less per call at [1, 128256] (one launch instead of two).
+    Limitation: the workspace is per device, not per stream; two of these calls running concurrently
+    on two streams of one device would share counters (ember issues them from one stream).
 
 Sampling (``sample``; the semantics are ember/ops/sampling.py's float64 reference) is the same two
 launches. Launch 2 draws with an exponential race (Gumbel-max): token ``argmax(z - log(-log u))``
@@ -22,6 +37,10 @@ cumulative sum over the row. The survivors are ``{z >= tau}`` for one threshold 
 """
 from __future__ import annotations
 
+import functools
+import os
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +50,11 @@ MAX_PROGRAMS_PER_ROW = 128
 CAP = 512                 # candidate list per row (top-k / top-p path)
 TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
 INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
+# grid barrier: every launch adds exactly BARRIER_GEN to the counter (module docstring of
+# _softmax_one_launch_kernel), so it is a multiple of BARRIER_GEN between launches
+BARRIER_GEN = tl.constexpr(1 << 20)
+# ~0.3 us per poll of an L2 atomic: ~0.3 s before a program gives up waiting and recomputes its row
+SPIN_CAP = 1 << 20
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -39,6 +63,50 @@ def _ordered_key(z):
     """int32 whose order is the float order of z (z + 0.0 folds -0.0 into +0.0)."""
     b = (z + 0.0).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _argmax_key(x, mask):
+    """int32 key whose max is torch.argmax's pick: NaN above everything (torch's rule), padding below."""
+    key = tl.where(x != x, 2147483647, _ordered_key(x))
+    return tl.where(mask, key, -2147483647 - 1)
+
+
+@triton.jit
+def _first_max(key, cols):
+    """(max key, smallest column holding it) of a register block."""
+    kmax = tl.max(key, axis=0)
+    return kmax, tl.min(tl.where(key == kmax, cols, 2147483647), axis=0)
+
+
+@triton.jit
+def _chunk_max_sum(z):
+    """max of z and sum of exp(z - max) over a register block (-inf entries contribute 0)."""
+    m = tl.max(z, axis=0)
+    return m, tl.sum(tl.where(z > -float("inf"), tl.exp(z - m), 0.0), axis=0)
+
+
+@triton.jit
+def _row_max_sum(m_ptr, s_ptr, row, P, PB: tl.constexpr):
+    """Row max and sum of exp(z - max) from the row's P chunk partials.
+
+    Loaded with ".cg" (L2, not the SM's incoherent L1): in the one-launch kernel other programs
+    wrote them during this launch.
+    """
+    c = tl.arange(0, PB)
+    cm = c < P
+    m = tl.load(m_ptr + row * P + c, mask=cm, other=-float("inf"), cache_modifier=".cg")
+    s = tl.load(s_ptr + row * P + c, mask=cm, other=0.0, cache_modifier=".cg")
+    M = tl.max(m, axis=0)
+    return M, tl.sum(tl.where(m > -float("inf"), s * tl.exp(m - M), 0.0), axis=0)
+
+
+@triton.jit
+def _normalised(z, M, Z, LOG: tl.constexpr):
+    if LOG:
+        return z - M - tl.log(Z)
+    else:
+        return tl.exp(z - M) / Z
 
 
 @triton.jit
@@ -89,22 +157,100 @@ def _softmax_row_kernel(x_ptr, out_ptr, stride_x, stride_out, V, inv_t,
     cols = tl.arange(0, BLOCK)
     mask = cols < V
     z = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
-    M = tl.max(z, axis=0)
-    e = tl.exp(z - M)
-    Z = tl.sum(tl.where(mask, e, 0.0), axis=0)
-    if LOG:
-        y = z - M - tl.log(Z)
-    else:
-        y = e / Z
-    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+    M, Z = _chunk_max_sum(z)
+    tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
 
 
 @triton.jit
 def _argmax_row_kernel(x_ptr, out_ptr, stride_x, V, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
-    tl.store(out_ptr + row, tl.argmax(x, axis=0).to(tl.int64))
+    mask = cols < V
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _, first = _first_max(_argmax_key(x, mask), cols)
+    tl.store(out_ptr + row, first.to(tl.int64))
+
+
+# ----------------------------------------------------------------------------- split rows, one launch
+@triton.jit
+def _argmax_split_kernel(x_ptr, out_ptr, stride_x, V, P, best_ptr, cnt_ptr, CHUNK: tl.constexpr):
+    """Argmax of rows split over P programs each, in one launch (no finish launch: ~2 us less in a graph).
+
+    Each program folds its chunk's (max key, first column) into the row's int64 slot with
+    ``atomic_max`` (high word the key, low word 0x7FFFFFFF - column, so ties pick the first column),
+    then bumps the row's arrival counter. The program that arrives last (its atomics are acq_rel, so
+    it sees every earlier atomic_max) writes the column and swaps slot and counter back to INT64_MIN
+    and 0: the persistent workspace is ready for the next launch without a memset.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < V
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    kmax, first = _first_max(_argmax_key(x, mask), cols)
+    tl.atomic_max(best_ptr + row, (kmax.to(tl.int64) << 32) | (0x7FFFFFFF - first).to(tl.int64))
+    if tl.atomic_add(cnt_ptr + row, 1) == P - 1:
+        packed = tl.atomic_xchg(best_ptr + row, row * 0 + INT64_MIN)
+        tl.atomic_xchg(cnt_ptr + row, 0)
+        tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
+
+
+@triton.jit
+def _softmax_one_launch_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, n_programs, m_ptr, s_ptr,
+                               bar_ptr, inv_t, spin_cap,
+                               LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr):
+    """Softmax of rows split over P programs each, in ONE launch with a grid barrier.
+
+    Legal only when all ``n_programs = B * P`` programs are resident at once (the caller launches it
+    only for B * P <= SM count, on a real GPU: Triton's interpreter runs programs one after another).
+    Saves the second launch (~2 us in a graph) and the second read of the row (z stays in registers).
+
+    Barrier, generation based so no launch resets it: program (0, 0) adds BARRIER_GEN - (n - 1) to
+    ``bar_ptr[0]``, every other program adds 1, so each launch adds exactly BARRIER_GEN and the counter
+    is a multiple of it between launches. A program's arrival returns the old value v; everyone has
+    arrived once the counter reaches (v // BARRIER_GEN + 1) * BARRIER_GEN.
+    Memory order: partials stored -> CTA barrier -> release add; acquire polls -> CTA barrier ->
+    partials read from L2 (".cg").
+    A program that polls ``spin_cap`` times without seeing everyone (cannot happen when all programs
+    are resident; could under an SM-limited MPS share) does not hang or guess: it recomputes its row's
+    max and sum from the whole row itself, so the output is still exact, and counts the event in
+    ``bar_ptr[1]``.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < V
+    xrow = x_ptr + row * stride_x
+    z = tl.load(xrow + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
+    m, s = _chunk_max_sum(z)
+    tl.store(m_ptr + row * P + c, m)
+    tl.store(s_ptr + row * P + c, s)
+    tl.debug_barrier()  # every thread's stores precede the release below
+    first = (row == 0) & (c == 0)
+    add = tl.where(first, BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
+    v = tl.atomic_add(bar_ptr, add, sem="acq_rel", scope="gpu")
+    target = (v // BARRIER_GEN + 1) * BARRIER_GEN
+    cur = v + add
+    polls = 0
+    while (cur < target) & (polls < spin_cap):
+        cur = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    tl.debug_barrier()
+    M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
+    if cur < target:
+        # gave up waiting: the whole row from HBM, online max / sum (slow, exact, counted)
+        M = tl.full([], -float("inf"), tl.float32)
+        Z = tl.full([], 0.0, tl.float32)
+        for start in range(0, V, CHUNK):
+            w = tl.load(xrow + start + tl.arange(0, CHUNK), mask=start + tl.arange(0, CHUNK) < V,
+                        other=-float("inf")).to(tl.float32) * inv_t
+            mw, sw = _chunk_max_sum(w)
+            M_new = tl.maximum(M, mw)
+            Z = tl.where(M > -float("inf"), Z * tl.exp(M - M_new), 0.0) + \
+                tl.where(mw > -float("inf"), sw * tl.exp(mw - M_new), 0.0)
+            M = M_new
+        tl.atomic_add(bar_ptr + 1, 1)
+    tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
 
 
 # ----------------------------------------------------------------------------- split rows, launch 1
@@ -128,9 +274,7 @@ def _chunk_stats_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr,
     cols = c * CHUNK + tl.arange(0, CHUNK)
     mask = cols < V
     z = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32) / t
-    m = tl.max(z, axis=0)
-    e = tl.where(z > -float("inf"), tl.exp(z - m), 0.0)
-    s = tl.sum(e, axis=0)
+    m, s = _chunk_max_sum(z)
     a = c * CHUNK + tl.argmax(z, axis=0)
     tl.store(m_ptr + row * P + c, m)
     tl.store(s_ptr + row * P + c, s)
@@ -157,22 +301,11 @@ def _softmax_finish_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, m_ptr, s_
     # Rows in reverse order of launch 1: the rows it read last are still in L2.
     row = (n_rows - 1 - tl.program_id(0)).to(tl.int64)
     c = tl.program_id(1)
-    M, Z, _, _ = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB)
+    M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     mask = cols < V
     z = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
-    if LOG:
-        y = z - M - tl.log(Z)
-    else:
-        y = tl.exp(z - M) / Z
-    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
-
-
-@triton.jit
-def _argmax_finish_kernel(out_ptr, P, m_ptr, s_ptr, a_ptr, PB: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    _, _, a, _ = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB)
-    tl.store(out_ptr + row, a.to(tl.int64))
+    tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
 
 
 @triton.jit
@@ -351,6 +484,102 @@ def _stats(x2, t_ptr, t_scalar, t_per_row, chunk, P, sample_state=None):
     return m, s, a
 
 
+# ----------------------------------------------------------------------------- persistent workspace
+# One int64 buffer per device: [barrier counter, barrier give-ups, best[cap] (INT64_MIN), count[cap] (0)].
+# Every launch that uses it leaves it in this state. Never freed: CUDA graphs captured earlier keep
+# pointing at it, so an outgrown buffer is parked in _OUTGROWN rather than released.
+_WORKSPACES: dict[tuple[str, int | None], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def _fresh_workspace(device: torch.device, cap: int) -> torch.Tensor:
+    ws = torch.zeros(2 + 2 * cap, dtype=torch.int64, device=device)
+    ws[2:2 + cap].fill_(-(1 << 63))
+    return ws
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(barrier [2], best [rows], count [rows]) views of the device's workspace, in their initial state.
+
+    First needed (or needed larger) during CUDA-graph capture: the buffer is a temporary of that
+    capture, initialised by fills that are captured too (they rerun before the kernel on every replay,
+    one extra node), and is not cached, because the eager state of memory allocated during capture is
+    never initialised. Warm up once outside capture (as Triton's compile needs anyway) to avoid that.
+    """
+    key = (device.type, device.index)
+    ws = _WORKSPACES.get(key)
+    if ws is None or (ws.numel() - 2) // 2 < rows:
+        cap = max(64, triton.next_power_of_2(rows))
+        fresh = _fresh_workspace(device, cap)
+        if _capturing(device):
+            warnings.warn("ember sampling: workspace first needed (or needed larger) during CUDA-graph capture; "
+                          "using a per-graph temporary with captured fills (one extra node per replay). "
+                          f"Call the op once outside capture with >= {rows} rows to avoid it.", stacklevel=3)
+            ws = fresh
+        else:
+            if ws is not None:
+                _OUTGROWN.append(ws)
+            ws = _WORKSPACES[key] = fresh
+    cap = (ws.numel() - 2) // 2
+    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows]
+
+
+def barrier_give_ups(device: torch.device) -> int:
+    """How often a one-launch softmax program stopped waiting at the grid barrier (expected: 0).
+
+    Each such program recomputed its row instead (exact, slower). Syncs with the device.
+    """
+    ws = _WORKSPACES.get((device.type, device.index))
+    return 0 if ws is None else int(ws[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _one_launch_split(x2: torch.Tensor) -> tuple[int, int, int] | None:
+    """(CHUNK, P, PB) for the one-launch softmax, or None when it must not run.
+
+    Needs a real GPU (the interpreter runs programs one at a time: the barrier would never fill) and
+    every program resident at once: B * P <= SM count, one program per SM at most. Chunks grow from
+    _split's up to ROW_BLOCK_MAX to fit more rows (P shrinks), e.g. 4 rows of 128256 -> 4 x 32 programs.
+    """
+    if os.environ.get("EMBER_SOFTMAX_ONE_LAUNCH", "1") in ("0", "false", "False"):
+        return None
+    if x2.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    B, V = x2.shape
+    return fit_split(B, V, _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()))
+
+
+def fit_split(B: int, V: int, sms: int) -> tuple[int, int, int] | None:
+    """_split's chunks, doubled (up to ROW_BLOCK_MAX) until B * P <= sms; None if they never fit."""
+    chunk, P, _ = _split(V)
+    while B * P > sms and chunk < ROW_BLOCK_MAX:
+        chunk *= 2
+        P = triton.cdiv(V, chunk)
+    if B * P > sms:
+        return None
+    return chunk, P, max(2, triton.next_power_of_2(P))
+
+
+def softmax_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool,
+                       chunk: int, P: int, spin_cap: int = SPIN_CAP) -> None:
+    """The grid-barrier launch; the caller guarantees co-residency (_one_launch_split)."""
+    B, V = x2.shape
+    part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
+    barrier, _, _ = _workspace(x2.device, 0)
+    _softmax_one_launch_kernel[(B, P)](x2, out, x2.stride(0), out.stride(0), V, P, B * P, part[0], part[1],
+                                       barrier, 1.0 / temperature, spin_cap,
+                                       LOG=log, CHUNK=chunk, PB=max(2, triton.next_power_of_2(P)),
+                                       num_warps=_warps(chunk))
+
+
 def softmax(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool) -> None:
     """Row softmax (or log-softmax) of ``x2 / temperature`` into fp32 ``out`` (both 2-d, unit last stride)."""
     B, V = x2.shape
@@ -359,6 +588,10 @@ def softmax(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool) 
         _softmax_row_kernel[(B,)](x2, out, x2.stride(0), out.stride(0), V, 1.0 / temperature,
                                   LOG=log, BLOCK=block, num_warps=_warps(block))
         return
+    one = _one_launch_split(x2)
+    if one is not None:
+        softmax_one_launch(x2, out, temperature, log, one[0], one[1])
+        return
     chunk, P, PB = _split(V)
     m, s, a = _stats(x2, x2, temperature, False, chunk, P)
     _softmax_finish_kernel[(B, P)](x2, out, x2.stride(0), out.stride(0), V, P, m, s, a, 1.0 / temperature, B,
@@ -366,15 +599,15 @@ def softmax(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool) 
 
 
 def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
-    """First index of the row max into int64 ``out [rows]``."""
+    """First index of the row max into int64 ``out [rows]`` (NaN counts as the max, as in torch)."""
     B, V = x2.shape
     if V <= ROW_BLOCK_MAX:
         block = triton.next_power_of_2(V)
         _argmax_row_kernel[(B,)](x2, out, x2.stride(0), V, BLOCK=block, num_warps=_warps(block))
         return
-    chunk, P, PB = _split(V)
-    m, s, a = _stats(x2, x2, 1.0, False, chunk, P)
-    _argmax_finish_kernel[(B,)](out, P, m, s, a, PB=PB, num_warps=1)
+    chunk, P, _ = _split(V)
+    _, best, count = _workspace(x2.device, B)
+    _argmax_split_kernel[(B, P)](x2, out, x2.stride(0), V, P, best, count, CHUNK=chunk, num_warps=_warps(chunk))
 
 
 def _param(v, dtype_scalar):

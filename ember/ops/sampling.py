@@ -327,7 +327,10 @@ def _as_tensor(v, batch, dtype, device):
 def softmax(x: torch.Tensor, dim: int = -1, *, temperature: float | None = None) -> torch.Tensor:
     """``softmax(x / temperature)`` along ``dim``, float32 output for fp32/bf16/fp16 input.
 
-    Rows up to 2^20 elements; few long rows are split across many programs on the GPU.
+    Rows up to 2^20 elements; few long rows are split across many programs on the GPU, in one
+    launch with a grid barrier when they all fit on the GPU at once (``EMBER_SOFTMAX_ONE_LAUNCH=0``
+    forces the two-launch path; ember/kernels/sampling.py). No value checks are needed: a program
+    that ever stops waiting at the barrier recomputes its row, so the output stays exact.
 
     Example:
         >>> probs = ember.ops.softmax(torch.randn(2, 128256), temperature=0.7)
@@ -352,6 +355,10 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, temperature: float | None = N
 
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Index of the max along ``dim`` (int64), the first one on ties, as torch.argmax.
+
+    NaN counts as larger than every number (the first NaN wins), as in torch.argmax. Long rows
+    take one launch on the GPU, with a small persistent per-device workspace that each call leaves
+    clean (so it is CUDA-graph safe; calls on two streams of one device must not run concurrently).
 
     Example:
         >>> ember.ops.argmax(torch.tensor([[1.0, 3.0, 3.0]]))

@@ -1,0 +1,227 @@
+"""The one-launch split-row paths: argmax (last program of the row) and softmax (grid barrier).
+
+On CPU the interpreter runs the argmax kernel through the public op, and the softmax kernel directly
+with a tiny spin cap: programs run one after another there, so every program but the last gives up
+waiting and recomputes its row (the fallback), and the last one combines the published partials (the
+normal path). Memory ordering and co-residency only exist on the GPU: the gpu tests below.
+"""
+import math
+
+import pytest
+import torch
+
+import ember
+from ember import _dispatch
+from tests.helpers import poisoned
+
+SOFTMAX_TOL = dict(atol=1e-7, rtol=1e-5)
+LOG_SOFTMAX_TOL = dict(atol=5e-6, rtol=1e-5)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INT64_MIN = -(1 << 63)
+
+
+def _k():
+    return _dispatch.kernels("sampling")
+
+
+def _assert_workspace_clean(ws):
+    cap = (ws.numel() - 2) // 2
+    assert int(ws[0]) % (1 << 20) == 0                 # barrier counter between launches
+    assert bool((ws[2:2 + cap] == INT64_MIN).all())    # argmax slots
+    assert bool((ws[2 + cap:] == 0).all())             # arrival counters
+
+
+# ------------------------------------------------------------------ argmax, interpreter
+def test_argmax_split_ties_nan_signed_zero_interpreter(interpreter):
+    V = 20000   # > ROW_BLOCK_MAX: split over 20 programs
+    x = torch.randn(6, V)
+    x[0, [7000, 19999, 3]] = 9.0                      # first index of a tie across chunks
+    x[1, [15000, 16000]] = float("nan")               # NaN is the max, first NaN wins (torch)
+    x[1, 17] = math.inf
+    x[2] = -math.inf                                  # all -inf: index 0
+    x[3] = -math.inf
+    x[3, 12345] = -1.0
+    x[4] = 0.0
+    x[4, 1500] = -0.0                                 # -0.0 == 0.0: still index 0
+    x[5, 19999] = 50.0                                # the last element of a partial chunk
+    out = poisoned((6,), torch.int64, "cpu")
+    _k().argmax(x, out)
+    assert out.tolist() == [3, 15000, 0, 12345, 0, 19999]
+    assert torch.equal(out, torch.argmax(x, -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_split_repeated_calls_reset_workspace_interpreter(interpreter, dtype):
+    k = _k()
+    for i in range(4):
+        x = torch.round(torch.randn(3, 17000) * 2).to(dtype)   # many ties
+        x[:, 100 * i] = 50.0 - i                              # the max moves to an earlier or later chunk
+        assert torch.equal(ember.ops.argmax(x), torch.argmax(x, -1))
+        _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+
+
+def test_argmax_row_kernel_nan_and_ties_interpreter(interpreter):
+    x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, 5.0, -1.0], [-0.0, 0.0, -1.0, -2.0]])
+    assert ember.ops.argmax(x).tolist() == [1, 1, 0] == torch.argmax(x, -1).tolist()
+
+
+def test_workspace_grows_and_keeps_outgrown_buffer_interpreter(interpreter, monkeypatch):
+    k = _k()
+    monkeypatch.setattr(k, "_WORKSPACES", {})
+    monkeypatch.setattr(k, "_OUTGROWN", [])
+    x = torch.randn(2, 17000)
+    assert torch.equal(ember.ops.argmax(x), torch.argmax(x, -1))
+    small = k._WORKSPACES[("cpu", None)]
+    y = torch.randn(70, 17000)                         # more rows than the first capacity (64)
+    assert torch.equal(ember.ops.argmax(y), torch.argmax(y, -1))
+    big = k._WORKSPACES[("cpu", None)]
+    assert big.numel() > small.numel() and k._OUTGROWN == [small]   # graphs may still point at it
+    _assert_workspace_clean(big)
+
+
+# ------------------------------------------------------------------ softmax kernel, interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_one_launch_kernel_interpreter(interpreter, dtype):
+    k = _k()
+    B, V, chunk = 2, 20000, 4096
+    P = math.ceil(V / chunk)
+    base = (torch.randn(B, V + 40) * 4).to(dtype)
+    x = base[:, 20:20 + V]                             # rows not contiguous with each other
+    barrier, _, _ = k._workspace(x.device, 0)
+    start, give_ups = int(barrier[0]), int(barrier[1])
+    for call, log in enumerate((False, True, False)):
+        out = poisoned((B, V), torch.float32, "cpu")
+        k.softmax_one_launch(x, out, 0.7, log, chunk, P, spin_cap=2)
+        exp = (torch.log_softmax if log else torch.softmax)(x.double() / 0.7, -1)
+        torch.testing.assert_close(out.double(), exp, **(LOG_SOFTMAX_TOL if log else SOFTMAX_TOL))
+        # each launch adds exactly one generation; all programs but the last gave up waiting
+        assert int(barrier[0]) == start + (call + 1) * (1 << 20)
+        assert int(barrier[1]) == give_ups + (call + 1) * (B * P - 1)
+
+
+def test_fit_split_chunks_grow_to_fit_the_sms():
+    fit = _k().fit_split
+    assert fit(1, 128256, 132) == (1024, 126, 128)     # _split's own chunks already fit
+    assert fit(4, 128256, 132) == (4096, 32, 32)       # 4 x 32 programs
+    assert fit(4, 248320, 132) == (8192, 31, 32)
+    assert fit(6, 20000, 132) == (1024, 20, 32)
+    assert fit(17, 128256, 132) is None                # 17 x 8 programs of 16384 > 132
+    assert fit(3, 1 << 20, 132) is None                 # 3 x 64 programs of 16384 > 132
+    for B, V in [(1, 151936), (2, 1 << 20), (16, 128256)]:
+        chunk, P, PB = fit(B, V, 132)
+        assert B * P <= 132 and P * chunk >= V and (P - 1) * chunk < V and PB >= P
+
+
+def test_one_launch_never_on_cpu_and_env_switch(interpreter, monkeypatch):
+    k = _k()
+    assert k._one_launch_split(torch.randn(1, 20000)) is None
+    monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
+    assert k._one_launch_split(torch.randn(1, 20000)) is None
+
+
+# ------------------------------------------------------------------ GPU
+def _two_launch(monkeypatch, fn, *a, **kw):
+    with monkeypatch.context() as m:
+        m.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
+        return fn(*a, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [128256, 151936, 248320, 20000])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_gpu_softmax_one_launch_vs_float64_and_two_launch(cuda, monkeypatch, dtype, V, rows):
+    k = _k()
+    base = (torch.randn(rows, V + 64, device=cuda) * 4).to(dtype)
+    for x in (base[:, :V].contiguous(), base[:, 32:32 + V]):      # contiguous and strided rows
+        assert k._one_launch_split(x) is not None
+        for T in (None, 0.7):
+            for log in (False, True):
+                fn = ember.ops.log_softmax if log else ember.ops.softmax
+                got = fn(x, temperature=T)
+                exp = (torch.log_softmax if log else torch.softmax)(x.double() / (T or 1.0), -1)
+                tol = LOG_SOFTMAX_TOL if log else SOFTMAX_TOL
+                torch.testing.assert_close(got.double(), exp, **tol)
+                two = _two_launch(monkeypatch, fn, x, temperature=T)
+                torch.testing.assert_close(got, two, atol=tol["atol"], rtol=tol["rtol"])
+    assert k.barrier_give_ups(base.device) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_softmax_one_launch_1000_calls_and_graph_replays(cuda):
+    k = _k()
+    x = torch.randn(2, 128256, device=cuda) * 3
+    for i in range(1000):                              # 1000 barrier generations, eager, each checked
+        x.mul_(-1.0) if i % 2 else x.add_(0.5)
+        torch.testing.assert_close(ember.ops.softmax(x).double(), torch.softmax(x.double(), -1), **SOFTMAX_TOL)
+    static = [torch.randn(1, 128256, device=cuda), torch.randn(3, 151936, device=cuda)]
+    outs = [ember.ops.softmax(static[0], temperature=0.7), ember.ops.log_softmax(static[1])]   # warm-up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):                          # two one-launch calls per replay
+        outs = [ember.ops.softmax(static[0], temperature=0.7), ember.ops.log_softmax(static[1])]
+    for i in range(1000):
+        for s in static:
+            s.copy_(torch.randn_like(s) * (1 + i % 5))
+        g.replay()
+        if i % 97 == 0 or i == 999:
+            torch.testing.assert_close(outs[0].double(), torch.softmax(static[0].double() / 0.7, -1), **SOFTMAX_TOL)
+            torch.testing.assert_close(outs[1].double(), torch.log_softmax(static[1].double(), -1), **LOG_SOFTMAX_TOL)
+    torch.cuda.synchronize()
+    ws = k._WORKSPACES[("cuda", x.device.index)]
+    assert int(ws[0]) % (1 << 20) == 0 and k.barrier_give_ups(x.device) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [20000, 128256, 151936, 248320])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_gpu_argmax_split_matches_torch_with_ties(cuda, dtype, V, rows):
+    x = torch.round(torch.randn(rows, V + 8, device=cuda) * 3).to(dtype)[:, 4:4 + V]   # ties, strided rows
+    top = x.float().amax(-1)
+    x[:, V - 1] = top.to(dtype)                        # a tie in the last chunk
+    if rows > 2:
+        x[1, [V // 2, 3]] = float("nan")               # NaN is the max, the first NaN wins
+        x[2] = -math.inf
+    assert torch.equal(ember.ops.argmax(x), torch.argmax(x, -1))
+
+
+@pytest.mark.gpu
+def test_gpu_argmax_graph_replays_reset_workspace(cuda):
+    k = _k()
+    static = torch.randn(4, 128256, device=cuda)
+    ember.ops.argmax(static)                           # warm-up: compile and workspace outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ember.ops.argmax(static)
+    for i in range(1000):
+        static.copy_(torch.randn_like(static))
+        pos = (i * 7919) % 128256                      # the max moves, often to an earlier chunk
+        static[:, pos] = 10.0
+        static[1, (pos + 5) % 128256] = 10.0           # a tie: first index
+        g.replay()
+        if i % 50 == 0 or i == 999:
+            assert torch.equal(out, torch.argmax(static, -1)), i
+    torch.cuda.synchronize()
+    _assert_workspace_clean(k._WORKSPACES[("cuda", static.device.index)])
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_first_needed_during_capture(cuda, monkeypatch):
+    """A workspace first needed inside capture is a temporary with captured fills, not cached."""
+    k = _k()
+    a = torch.randn(8, 151936, device=cuda)
+    ember.ops.argmax(a[:1]), ember.ops.softmax(a[:1])  # compile outside capture
+    monkeypatch.setattr(k, "_WORKSPACES", {})
+    monkeypatch.setattr(k, "_OUTGROWN", [])
+    g = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match="during CUDA-graph capture"), torch.cuda.graph(g):
+        am = ember.ops.argmax(a)
+        sm = ember.ops.softmax(a[:1])
+    assert k._WORKSPACES == {}
+    for _ in range(20):
+        a.copy_(torch.randn_like(a))
+        g.replay()
+        assert torch.equal(am, torch.argmax(a, -1))
+        torch.testing.assert_close(sm.double(), torch.softmax(a[:1].double(), -1), **SOFTMAX_TOL)
+    assert torch.equal(ember.ops.argmax(a), torch.argmax(a, -1))   # eager: a fresh cached workspace
+    _assert_workspace_clean(k._WORKSPACES[("cuda", a.device.index)])

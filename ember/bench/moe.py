@@ -160,7 +160,8 @@ def breakdown_us(model) -> dict:
 
 
 # Opt-in or alternative kernels timed beside the default decode step (env read while capturing).
-STEP_VARIANTS = {"default": {}, "fused_qkv": {"EMBER_FUSED_QKV": "1"}, "moe_t1_v1": {"EMBER_MOE_T1": "v1"}}
+STEP_VARIANTS = {"default": {}, "fused_qkv": {"EMBER_FUSED_QKV": "1"}, "moe_t1_v1": {"EMBER_MOE_T1": "v1"},
+                 "router_unfused": {"EMBER_ROUTER_FUSED": "0"}}
 
 
 def step_variants(hf, cfg, em, ids, max_seq_len) -> dict:

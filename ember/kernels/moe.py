@@ -68,11 +68,13 @@ DECODE_MAX_TOKENS = 16
 # ============================================================================ routing
 @triton.jit
 def _topk_of_row(logits_ptr, row, stride_row, E, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr):
-    """float32 softmax over E logits, then the TOP_K largest (ties -> lower index), renormalised."""
+                 BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, VOLATILE: tl.constexpr = False):
+    """float32 softmax over E logits, then the TOP_K largest (ties -> lower index), renormalised.
+    VOLATILE: read around L1 (logits other programs wrote in this launch)."""
     offs = tl.arange(0, BLOCK_E)
     in_range = offs < E
-    logits = tl.load(logits_ptr + row * stride_row + offs, mask=in_range, other=-float("inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + row * stride_row + offs, mask=in_range, other=-float("inf"),
+                     volatile=VOLATILE).to(tl.float32)
     ex = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(in_range, ex / tl.sum(ex, axis=0), -1.0)  # padding lanes are never picked
     kk = tl.arange(0, BLOCK_KK)
@@ -100,6 +102,34 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_row,
 
 
 # ============================================================================ shared pieces
+@triton.jit
+def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, E, H, stride_x, n_prog,
+                         TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr):
+    """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
+    (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
+    ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter."""
+    t = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < E
+    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_mask = ks < H
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * H + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        xv = tl.load(x_ptr + t * stride_x + ks, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
+    if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
+        ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+        kk = tl.arange(0, BLOCK_KK)
+        tl.store(tw_ptr + t * TOP_K + kk, ws, mask=kk < TOP_K)
+        tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kk < TOP_K)
+        tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit
 def _silu_mul(g, u):
     return g / (1.0 + tl.exp(-g)) * u
@@ -509,6 +539,51 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
         _route_kernel[(T,)](logits, w, ids, E, logits.stride(0), TOP_K=top_k, RENORM=renormalize,
                             BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(top_k),
                             num_warps=1 if E <= 256 else 4)
+    return w, ids
+
+
+# Arrival counters of _router_route_kernel, per (device, stream): zero between launches (the last
+# program of each token resets its slot), so no memset launch per call. Allocated on first use; if
+# that first use is during CUDA-graph capture the buffer comes from the graph's pool and its zeroing
+# is captured too (harmless: it is all zeros again at every replay).
+_ROUTER_COUNTERS: dict = {}
+ROUTER_MAX_TOKENS = 64
+
+
+def _router_counters(device: torch.device) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _ROUTER_COUNTERS.get(key)
+    if buf is None:
+        buf = _ROUTER_COUNTERS[key] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
+    return buf
+
+
+def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):
+    """Routing straight from hidden states ``x [T, H]`` and the router weight ``[E, H]``, T <= 64.
+
+    One launch instead of a router GEMV (cuBLAS) plus the route kernel: at batch-1 decode each
+    launch costs ~2 us inside a CUDA graph, and the 128 x 2048 router (0.5 MB) is too small for
+    cuBLAS to stream fast. 4 router rows per program (32 programs per token at E = 128), so the
+    0.5 MB is read by many SMs at once.
+    """
+    x = _rows_contiguous(x)
+    T, H = x.shape
+    E = router.shape[0]
+    w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    if T == 0:
+        return w, ids
+    if T > ROUTER_MAX_TOKENS:
+        raise ValueError(f"x: route_hidden takes at most {ROUTER_MAX_TOKENS} tokens, got {T}")
+    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    block_r = 4 if x.device.type == "cuda" else 2
+    block_h = min(512 if x.device.type == "cuda" else 32, triton.next_power_of_2(H))
+    n_prog = triton.cdiv(E, block_r)
+    _router_route_kernel[(T, n_prog)](
+        x, router.contiguous(), logits, _router_counters(x.device), w, ids, E, H, x.stride(0), n_prog,
+        TOP_K=top_k, RENORM=renormalize, BLOCK_R=block_r, BLOCK_H=block_h,
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(top_k), num_warps=4)
     return w, ids
 
 

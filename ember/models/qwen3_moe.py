@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +42,15 @@ class SparseMoe(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])                                       # [T, H]
-        logits = F.linear(x, self.router)                                    # [T, E]
-        y = moe_ops.moe(x, logits, self.w_gate_up, self.w_down, self.top_k, renormalize=self.renormalize,
-                              gate_up_scale=self.gate_up_scale, down_scale=self.down_scale)
+        if x.shape[0] <= moe_ops.DECODE_MAX_TOKENS and os.environ.get("EMBER_ROUTER_FUSED", "1") == "1":
+            # decode: router GEMV + routing in one launch (EMBER_ROUTER_FUSED=0: cuBLAS + route kernel)
+            w, ids = moe_ops.moe_route_hidden(x, self.router, self.top_k, renormalize=self.renormalize)
+            y = moe_ops.moe_experts(x, self.w_gate_up, self.w_down, w, ids, gate_up_scale=self.gate_up_scale,
+                                    down_scale=self.down_scale, check=False)
+        else:
+            logits = F.linear(x, self.router)                                # [T, E]
+            y = moe_ops.moe(x, logits, self.w_gate_up, self.w_down, self.top_k, renormalize=self.renormalize,
+                            gate_up_scale=self.gate_up_scale, down_scale=self.down_scale)
         return y.reshape(h.shape)
 
 

@@ -9,6 +9,9 @@
   gate rows first, down_proj ``[E, H, I]``).
 * ``moe(x, router_logits, w_gate_up, w_down, top_k)``: both, routing fused into dispatch; what a
   model calls per MoE layer.
+* ``moe_route_hidden(x, router_weight, top_k)``: ``moe_route(F.linear(x, router_weight), top_k)``
+  with the router GEMV and the routing in one launch on CUDA (up to 64 tokens): what a decode step
+  calls before ``moe_experts``. The logits are rounded to ``x.dtype`` first, as F.linear returns them.
 
 Numerics (the spec the kernels are tested against): float32 math throughout, except that the
 activation ``silu(g) * u`` is rounded once to ``x.dtype`` before the down projection (as every bf16
@@ -46,16 +49,29 @@ ID_DTYPES = (torch.int32, torch.int64)
 # ----------------------------------------------------------------------------- validation
 def _validate_route(router_logits, top_k, renormalize) -> int:
     _checks.tensor("router_logits", router_logits, dtypes=_checks.FLOAT_DTYPES, ndim=2)
-    E = router_logits.shape[1]
+    return _validate_top_k(top_k, router_logits.shape[1], renormalize, "router_logits", "router_logits.shape[1]")
+
+
+def _validate_top_k(top_k, E: int, renormalize, name: str, e_from: str) -> int:
     if not 1 <= E <= MAX_EXPERTS:
-        raise ValueError(f"router_logits: expected 1..{MAX_EXPERTS} experts (shape[1]), got {E}")
+        raise ValueError(f"{name}: expected 1..{MAX_EXPERTS} experts, got {E}")
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise TypeError(f"top_k: expected an int, got {type(top_k).__name__}")
     if not 1 <= top_k <= E:
-        raise ValueError(f"top_k: expected 1 <= top_k <= {E} (router_logits.shape[1]), got {top_k}")
+        raise ValueError(f"top_k: expected 1 <= top_k <= {E} ({e_from}), got {top_k}")
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize: expected a bool, got {type(renormalize).__name__}")
     return top_k
+
+
+def _validate_route_hidden(x, router_weight, top_k, renormalize) -> int:
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    _checks.tensor("router_weight", router_weight, dtypes=(x.dtype,), ndim=2)
+    _checks.same_device(x=x, router_weight=router_weight)
+    if router_weight.shape[1] != x.shape[1]:
+        raise ValueError(f"router_weight: expected shape [E, {x.shape[1]}] (x.shape[1] columns), "
+                         f"got {tuple(router_weight.shape)}")
+    return _validate_top_k(top_k, router_weight.shape[0], renormalize, "router_weight", "router_weight.shape[0]")
 
 
 def _ceil(a: int, b: int) -> int:
@@ -165,6 +181,20 @@ def _route_impl(router_logits, top_k, renormalize):
     return _dispatch.kernels("moe").route(router_logits, top_k, renormalize)
 
 
+def moe_route_hidden_reference(x, router_weight, top_k: int, renormalize: bool = True):
+    """The spec of :func:`moe_route_hidden`: F.linear (logits in x.dtype), then moe_route_reference."""
+    return moe_route_reference(F.linear(x, router_weight), top_k, renormalize)
+
+
+def _route_hidden_impl(x, router_weight, top_k, renormalize):
+    if not _dispatch.use_triton(x):
+        return moe_route_hidden_reference(x, router_weight, top_k, renormalize)
+    kmod = _dispatch.kernels("moe")
+    if x.shape[0] > kmod.ROUTER_MAX_TOKENS:  # prefill: cuBLAS for the GEMM, then the route kernel
+        return kmod.route(F.linear(x, router_weight), top_k, renormalize)
+    return kmod.route_hidden(x, router_weight, top_k, renormalize)
+
+
 def _experts_impl(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale):
     if not _dispatch.use_triton(x):
         return moe_experts_reference(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
@@ -192,6 +222,19 @@ def _(router_logits, top_k, renormalize):
     T = router_logits.shape[0]
     return (router_logits.new_empty((T, top_k), dtype=torch.float32),
             router_logits.new_empty((T, top_k), dtype=torch.int32))
+
+
+@torch.library.custom_op("ember::moe_route_hidden", mutates_args=())
+def _moe_route_hidden_op(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    w, ids = _route_hidden_impl(x, router_weight, top_k, renormalize)
+    return w, ids
+
+
+@_moe_route_hidden_op.register_fake
+def _(x, router_weight, top_k, renormalize):
+    T = x.shape[0]
+    return x.new_empty((T, top_k), dtype=torch.float32), x.new_empty((T, top_k), dtype=torch.int32)
 
 
 @torch.library.custom_op("ember::moe_experts", mutates_args=())
@@ -231,6 +274,22 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, renormalize: bool = Tr
     if _dispatch.compiling():
         return _moe_route_op(router_logits, top_k, renormalize)
     return _route_impl(router_logits, top_k, renormalize)
+
+
+def moe_route_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, renormalize: bool = True):
+    """``moe_route(F.linear(x, router_weight), top_k)``: routing from hidden states ``x [T, H]``.
+
+    ``router_weight [E, H]`` has x's dtype; the logits are rounded to it (as F.linear returns them)
+    before the float32 softmax. On CUDA, up to 64 tokens take one launch for the router GEMV and the
+    routing together. Returns ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``.
+
+    Example:
+        >>> w, ids = ember.ops.moe_route_hidden(torch.randn(1, 64), torch.randn(8, 64), 2)
+    """
+    top_k = _validate_route_hidden(x, router_weight, top_k, renormalize)
+    if _dispatch.compiling():
+        return _moe_route_hidden_op(x, router_weight, top_k, renormalize)
+    return _route_hidden_impl(x, router_weight, top_k, renormalize)
 
 
 def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

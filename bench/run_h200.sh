@@ -6,7 +6,7 @@
 #   bash bench/run_h200.sh moe_hybrid             # LFM2 / Qwen3.5 (HF baselines are slow)
 #   bash bench/run_h200.sh vae                    # needs the diffusers wheel in .whl/ (README of the device tool)
 #   bash bench/run_h200.sh sweeps                 # fp8 GEMV tiles, MoE T=1 v1 vs v2 (pick the defaults from these)
-#   bash bench/run_h200.sh prefill_sweep profile_vae  # MoE prefill tiles; where the VAE decode spends time
+#   bash bench/run_h200.sh prefill_sweep profile_vae profile_llm  # MoE prefill tiles; where VAE / LLM time goes
 # Results land in $OUT (or ./out): <suite>.json, gpu_tests.txt, doctor.txt; copy them to bench/results/h200/.
 set -u
 OUT=${OUT:-out}
@@ -26,6 +26,8 @@ for what in "$@"; do
     timeout 200 python -c "from ember.bench.moe_ops import sweep; sweep('$OUT/moe_prefill_sweep.json', parts=('prefill',))" 2>&1 | tail -15
   elif [ "$what" = profile_vae ]; then
     timeout 200 python bench/profile_vae.py 2>&1 | tail -45 | tee "$OUT/profile_vae.txt"
+  elif [ "$what" = profile_llm ]; then
+    timeout 200 python bench/profile_llm.py 2>&1 | grep -v "^-" | cut -c1-200 | tee "$OUT/profile_llm.txt" | tail -90
   elif [ "$what" = tests ]; then
     timeout 400 python -m pytest -m gpu -n 14 -q --tb=line -p no:cacheprovider tests/ > "$OUT/gpu_tests.txt" 2>&1
     grep -E "^FAILED|passed|failed" "$OUT/gpu_tests.txt" | tail -30

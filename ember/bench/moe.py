@@ -280,12 +280,21 @@ def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
 
     em_long = ember_from_hf(hf, cfg, max_seq_len=T, net=em.net)
     caches = [(k[:1], v[:1]) for k, v in em_long.caches]
+    prompt = long_ids[0].tolist()
     with torch.no_grad():
-        t_em = time_s(lambda: em_long.net.prefill(long_ids, caches, last_only=True))
+        # the engine's prefill: captured per length bucket on the GPU (the first call captures)
+        t0 = time.perf_counter()
+        em_long._prefill_last(0, prompt)
+        sync()
+        first_call_s = time.perf_counter() - t0
+        t_em = time_s(lambda: em_long._prefill_last(0, prompt))
+        t_eager = time_s(lambda: em_long.net.prefill(long_ids, caches, last_only=True))
         t_hf = time_s(lambda: hf(long_ids, logits_to_keep=1))
     del em_long, caches
     return Row(f"qwen3_moe_30b_a3b_bf16_prefill{T}", "tok/s", T / t_em, T / t_hf, "HF transformers forward (default)",
-               target=">= 2x HF", meets=t_hf / t_em >= 2.0, extra={"ember_s": t_em, "hf_s": t_hf})
+               target=">= 2x HF", meets=t_hf / t_em >= 2.0,
+               extra={"ember_s": t_em, "hf_s": t_hf, "ember_eager_s": t_eager,
+                      "ember_first_call_incl_capture_s": first_call_s})
 
 
 def _fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default):

@@ -204,7 +204,8 @@ class CausalLM(nn.Module):
         return [tuple(torch.zeros(shape, dtype=dt, device=device) for shape, dt in layer)
                 for layer in self.cache_specs(max_batch_size, max_seq_len, dtype)]
 
-    def _run(self, x: torch.Tensor, attend, last_only: bool = False) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, attend, last_only: bool = False,
+             last_index: torch.Tensor | None = None) -> torch.Tensor:
         normed, residual = ember.ops.rmsnorm(x, self.layers[0].ln1, self.eps), x
         for i, layer in enumerate(self.layers):
             a = attend(i, layer.attn, normed)
@@ -212,20 +213,23 @@ class CausalLM(nn.Module):
             m = layer.mlp(normed)
             if i + 1 < len(self.layers):
                 normed, residual = ember.ops.add_rmsnorm(m, residual, self.layers[i + 1].ln1, self.eps)
-        if last_only:  # every layer needs all positions; the final norm and lm_head only the last
+        if last_index is not None:  # a padded prompt (prefill graphs): its last real position
+            m, residual = m.index_select(1, last_index).squeeze(1), residual.index_select(1, last_index).squeeze(1)
+        elif last_only:  # every layer needs all positions; the final norm and lm_head only the last
             m, residual = m[:, -1], residual[:, -1]
         normed, _ = ember.ops.add_rmsnorm(m, residual, self.norm, self.eps)
         return self.lm_head(normed)
 
     def prefill(self, input_ids: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        """input_ids [B, T] (positions 0..T-1) -> logits [B, T, V] ([B, V] with last_only)."""
+                last_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] (positions 0..T-1) -> logits [B, T, V] ([B, V] with last_only, or at
+        position ``last_index`` (int64 [1], on the device) of every row)."""
         T = input_ids.shape[1]
         if T > self.cos.shape[0]:
             raise ValueError(f"input_ids: expected at most {self.cos.shape[0]} tokens (max_seq_len), got {T}")
         x = F.embedding(input_ids, self.embed)
         return self._run(x, lambda i, attn, h: attn.prefill(h, self.cos, self.sin, None if caches is None else caches[i]),
-                         last_only)
+                         last_only, last_index)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:

@@ -31,6 +31,7 @@ def test_graph_greedy_tokens_equal_cache_free_forward(ckpt, cuda):
 @pytest.mark.gpu
 def test_graph_decode_equals_eager_decode(ckpt, cuda):
     em = ember.load(ckpt, device=cuda, dtype=torch.bfloat16, max_seq_len=128, max_batch_size=2)
+    em.prefill_bucket = 0  # the same eager prefill for both: this test is about the decode graph
     prompts = torch.randint(0, 512, (2, 17)).tolist()
     prompts[1] = prompts[1][:9]
     em.use_cuda_graph = False
@@ -43,6 +44,7 @@ def test_graph_decode_equals_eager_decode(ckpt, cuda):
 @pytest.mark.gpu
 def test_graph_sampling_equals_eager_sampling(ckpt, cuda):
     em = ember.load(ckpt, device=cuda, dtype=torch.bfloat16, max_seq_len=128, max_batch_size=2)
+    em.prefill_bucket = 0
     prompts = torch.randint(0, 512, (2, 17)).tolist()
     s = ember.SamplingParams(temperature=0.8, top_k=20, seed=7)
     em.use_cuda_graph = False
@@ -83,3 +85,23 @@ def test_memory_flat_over_10000_decode_steps(ckpt, cuda):
     assert n == 10_000  # a token-id prompt streams one id per step
     grown = torch.cuda.max_memory_allocated(cuda) - start
     assert grown <= 16 * 2**20, f"peak grew by {grown / 2**20:.1f} MiB over 10,000 steps"
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_match_eager_prefill(ckpt, cuda):
+    """Padded, captured prefill (per cache row and length bucket) = eager prefill, in fp32."""
+    em = ember.load(ckpt, device=cuda, dtype=torch.float32, max_seq_len=200, max_batch_size=2)
+    em.prefill_bucket = 64
+    for b, T in [(0, 5), (1, 17), (0, 64), (1, 65), (0, 200), (0, 7)]:  # 7 replays the (0, 64) graph
+        prompt = torch.randint(0, 512, (T,)).tolist()
+        graph_logits = em._prefill_last(b, prompt)
+        k_graph = [layer[0][b, :, :T].clone() for layer in em.caches]
+        row = [tuple(t[b:b + 1] for t in layer) for layer in em.caches]
+        eager = em.net.prefill(torch.tensor([prompt], device=cuda), row, last_only=True)
+        torch.testing.assert_close(graph_logits, eager, rtol=1e-4, atol=1e-4)
+        for kg, layer in zip(k_graph, em.caches):
+            torch.testing.assert_close(kg, layer[0][b, :, :T], rtol=1e-4, atol=1e-4)
+    assert set(em._prefill_graphs) == {(0, 64), (1, 64), (1, 128), (0, 200)}
+    st = em.stats
+    out = em.generate([prompt[:30], prompt[:3]], max_new_tokens=4)
+    assert [len(o) for o in out] == [4, 4] and em.stats is not st and em.stats.warmup_s >= 0

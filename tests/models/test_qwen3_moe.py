@@ -69,3 +69,14 @@ def test_batch_of_two_different_lengths(pair):
     a, b = torch.randint(0, 128, (1, 5)), torch.randint(0, 128, (1, 12))
     got = em.generate([a[0].tolist(), b[0].tolist()], max_new_tokens=8)
     assert got == [_hf_greedy(hf, a, 8)[0].tolist(), _hf_greedy(hf, b, 8)[0].tolist()]
+
+
+def test_prefill_last_index_reads_the_last_real_position_of_a_padded_prompt(pair):
+    """What the engine's prefill graphs rely on: padding after the prompt changes nothing before it."""
+    _, em = pair
+    prompt = torch.randint(0, em.net.vocab_size, (1, 13))
+    padded = torch.cat([prompt, torch.zeros(1, 19, dtype=torch.long)], 1)
+    ref = em.net.prefill(prompt, last_only=True)
+    out = em.net.prefill(padded, last_index=torch.tensor([12]))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(em.net.prefill(padded, last_only=True), ref, atol=1e-3)  # the pad's own logits differ

@@ -47,6 +47,7 @@ import triton.language as tl
 
 ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
+MIN_CHUNK = 1024          # split rows: at least this many elements per program
 CAP = 512                 # candidate list per row (top-k / top-p path)
 TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
 INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
@@ -461,8 +462,14 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
 
 # ----------------------------------------------------------------------------- launch helpers
 def _split(V: int) -> tuple[int, int, int]:
-    """(CHUNK, P, PB): chunks of >= 1024 elements, at most 128 per row."""
-    chunk = max(1024, triton.next_power_of_2(triton.cdiv(V, MAX_PROGRAMS_PER_ROW)))
+    """(CHUNK, P, PB): chunks of >= MIN_CHUNK elements, at most 128 per row.
+
+    ``EMBER_SAMPLING_MIN_CHUNK`` (a power of 2, 1024..16384) overrides MIN_CHUNK, for sweeps
+    (``ember.bench.sampling.sweep``): fewer, longer chunks mean fewer atomics on a row's slot."""
+    min_chunk = int(os.environ.get("EMBER_SAMPLING_MIN_CHUNK", MIN_CHUNK))
+    if min_chunk & (min_chunk - 1) or not 1024 <= min_chunk <= ROW_BLOCK_MAX:
+        raise ValueError(f"EMBER_SAMPLING_MIN_CHUNK: expected a power of 2 in [1024, {ROW_BLOCK_MAX}], got {min_chunk}")
+    chunk = max(min_chunk, triton.next_power_of_2(triton.cdiv(V, MAX_PROGRAMS_PER_ROW)))
     P = triton.cdiv(V, chunk)
     return chunk, P, max(2, triton.next_power_of_2(P))
 

@@ -42,10 +42,19 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
+# On CUDA the GEMV takes weight rows of at most this many bytes. H200, bf16, M=1, graph-timed against
+# F.linear in the same run (ember bench linear): K=2048 wins (N=5120: 7.11 vs 8.20 us; N=151936: 136.6
+# vs 143.9 us), K=4096 and 8192 lose (N=2048: 16.0 vs 9.7 us; N=8192: 39.4 vs 34.0 us) with the
+# config rule tuned on fp8 rows; until bf16 is swept, longer rows stay on cuBLAS.
+GEMV_MAX_ROW_BYTES_CUDA = 4096
+
+
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row of x, a K-contiguous weight, a non-empty product, and the Triton path on x's device."""
+    """One row of x, a K-contiguous weight, a non-empty product, the Triton path on x's device, and
+    (on CUDA) rows short enough to have measured faster than cuBLAS."""
     N, K = weight.shape
-    return (K > 0 and N > 0 and x.numel() == K and weight.stride(1) == 1 and _dispatch.use_triton(x))
+    return (K > 0 and N > 0 and x.numel() == K and weight.stride(1) == 1 and _dispatch.use_triton(x)
+            and (x.device.type != "cuda" or K * weight.element_size() <= GEMV_MAX_ROW_BYTES_CUDA))
 
 
 @torch.library.custom_op("ember::linear_gemv", mutates_args=())

@@ -526,11 +526,13 @@ def test_gpu_route_hidden_qwen3_shapes_in_graph(cuda):
         x = torch.randn(T, QH, device=cuda).bfloat16()
         w, ids = moe_ops.moe_route_hidden(x, router, QK)
         w_ref, ids_ref = moe_ops.moe_route_hidden_reference(x, router, QK)
-        # logits may differ by one bf16 rounding (summation order), which can swap near-tied experts:
-        # compare the routing of the kernel's own logits where the ids differ
+        # Logits may round to neighbouring bf16 values (summation order differs from cuBLAS): that can
+        # swap near-tied experts, and moves a weight by up to ~2 ulps of the largest logit (relative).
         same = (ids == ids_ref).all(-1)
         assert same.float().mean() > 0.9
-        assert_close(w[same], w_ref[same])
+        logit_max = float((x.float() @ router.float().t()).abs().max())
+        ulp = 2.0 ** (torch.tensor(logit_max).log2().floor().item() - 7)
+        torch.testing.assert_close(w[same], w_ref[same], rtol=2 * ulp, atol=1e-6)
     x = torch.zeros(1, QH, device=cuda, dtype=torch.bfloat16)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()

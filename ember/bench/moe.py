@@ -327,3 +327,17 @@ def _hf_backend_row(ctx, hf, hf_ids, hf_default, quick):
         hf.set_experts_implementation(previous)
     return Row("hf_experts_backend_ember", "tok/s", tok_s, hf_default,
                f"HF transformers generate, default experts backend ({previous})", target="report", meets=None)
+
+
+def prefill_only(path: str, quick: bool = False, device: str = "cuda") -> None:
+    """The prefill row alone (HF measured in the same run), for re-measuring after a prefill change:
+    ``python -c "from ember.bench.moe import prefill_only; prefill_only('$OUT/moe_prefill.json')"``."""
+    from ember.bench import write_json
+    ctx = BenchContext(device=torch.device(device), quick=quick)
+    hf, cfg = make_hf(quick, ctx.device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    T = 64 if quick else 2048
+    em = ember_from_hf(hf, cfg, max_seq_len=T, table_len=T)
+    row = _prefill_row(ctx, hf, cfg, em, gen, quick, PROMPT, NEW, T, None)
+    _print_row(row)
+    write_json(path, "moe", [row])

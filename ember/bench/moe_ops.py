@@ -252,6 +252,8 @@ def _sweep_prefill(moe, dev, budget_s: float, T: int = 2048) -> dict:
     """Time grouped-GEMM tile configs for a T-token bf16 prefill (the floor here is compute: ~1.6 TFLOP/layer)."""
     kmod = importlib.import_module("ember.kernels.moe")
     saved = dict(kmod.GPU_CONFIG["grouped_prefill"])
+    large_smem = kmod._large_smem
+    kmod._large_smem = lambda device: False  # the sweep sets GPU_CONFIG's tiles
     ws = _layers(2, torch.bfloat16, dev, E, H, I)
     xs = [torch.randn(T, H, device=dev, dtype=torch.bfloat16) for _ in ws]
     logits = [torch.randn(T, E, device=dev) for _ in ws]
@@ -273,6 +275,7 @@ def _sweep_prefill(moe, dev, budget_s: float, T: int = 2048) -> dict:
                 table.append((float("inf"), label, f"{type(exc).__name__}: {exc}"[:200]))
     finally:
         kmod.GPU_CONFIG["grouped_prefill"] = saved
+        kmod._large_smem = large_smem
     table.sort(key=lambda r: r[0])
     print(f"T{T}_bf16_prefill (default {saved})", *[f"{t:.1f} us  {c}  {n}" for t, c, n in table], sep="\n  ", flush=True)
     return {"floor_us_compute": flops / 790e12 * 1e6, "table": table}

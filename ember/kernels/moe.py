@@ -509,8 +509,8 @@ def _down_grouped_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, sorted_pairs_
 
 
 # ============================================================================ launch helpers
-# Prefill tiles for GPUs with >= 200 KB of shared memory per block (H100/H200: 227 KB): 4 stages of
-# 128-wide N tiles need 192 KB. H200, 2048-token bf16 prefill at Qwen3-30B-A3B shapes
+# Prefill tiles for bf16/fp16 activations on GPUs with >= 200 KB of shared memory per block
+# (H100/H200: 227 KB): 4 stages of 128-wide N tiles need 192 KB (fp32 activations: 240 KB, too much). H200, 2048-token bf16 prefill at Qwen3-30B-A3B shapes
 # (ember.bench.moe_ops.sweep): 704 us vs 741 us for GPU_CONFIG's tiles.
 GPU_PREFILL_LARGE_SMEM = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 
@@ -520,8 +520,10 @@ def _large_smem(device: torch.device) -> bool:
     return getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024
 
 
-def _config(name: str, device: torch.device) -> dict:
-    if name == "grouped_prefill" and device.type == "cuda" and _large_smem(device):
+def _config(name: str, device: torch.device, act_bytes: int = 2) -> dict:
+    """Launch config by name; ``act_bytes``: activation element size (fp32 tiles need twice the
+    shared memory, so they keep GPU_CONFIG's prefill tiles)."""
+    if name == "grouped_prefill" and device.type == "cuda" and act_bytes <= 2 and _large_smem(device):
         return dict(GPU_PREFILL_LARGE_SMEM)
     return dict((GPU_CONFIG if device.type == "cuda" else CPU_CONFIG)[name])
 
@@ -775,7 +777,7 @@ def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k):
     else:
         block_m = _prefill_block_m(T, top_k, E)
         sorted_pairs, block_expert, n_groups = _align(ids, E, block_m)
-        cfg = _config("grouped_prefill", dev)
+        cfg = _config("grouped_prefill", dev, x.element_size())
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=dev)
     acc = torch.zeros((T, H), dtype=torch.float32, device=dev)
     # Triton 3.9's interpreter gets bf16 tl.dot wrong (garbage, seen on CPU), so off the GPU the dot

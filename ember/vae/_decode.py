@@ -17,22 +17,9 @@ import torch
 from ember.vae._stream import StreamDecoder, is_causal_conv, progress_bar, to_channels_last
 
 SUPPORTED = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
-# Auto tiling bounds each tile's conv history (2 frames per causal conv) by a budget: about twice
-# the decoded video's own bytes (the output is the floor of the peak anyway), clamped to [0.3, 1] GB.
-# Why: peak memory is the output plus ~2.3x a tile's history (its activations scale with the tile
-# area too; H200, Wan2.1 81x480x832 with 0.74 GB of history per tile: 1.52 GB peak). Wan2.2 at
-# 121x704x1280 (0.65 GB of output) keeps 1 GB (2 x 2 tiles, 2.77 GB peak); Wan2.1 at 81x480x832
-# (0.19 GB) gets 0.39 GB (2 x 4 tiles). The history does not depend on the frame count, so a short
-# clip tiles as finely as a long one of the same size would with a smaller budget: bounded memory
-# first, at up to ~20% more work from the tile overlaps.
+# Auto tiling: at most this many bytes of conv history (2 frames per causal conv) per tile. 1 GB
+# keeps Wan2.2 at 704x1280 in 2x2 tiles and Wan2.1 at 480x832 in 2x2 tiles (see ember/bench/vae.py).
 AUTO_HISTORY_BYTES = 1.0e9
-AUTO_HISTORY_MIN_BYTES = 0.3e9
-AUTO_HISTORY_PER_OUTPUT_BYTE = 2.0
-
-
-def history_budget(output_bytes: int) -> float:
-    """Bytes of conv history one auto tile may hold, for a decode producing ``output_bytes``."""
-    return min(AUTO_HISTORY_BYTES, max(AUTO_HISTORY_MIN_BYTES, AUTO_HISTORY_PER_OUTPUT_BYTE * output_bytes))
 AUTO_OVERLAP_LATENT = 4  # latent pixels of overlap between auto tiles
 
 
@@ -130,12 +117,10 @@ def _validate_tiles(spec: VaeSpec, tile, overlap):
     return th, tw, oh, ow
 
 
-def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int, budget: float | None = None):
-    """Tile settings that bound each tile's conv history to ``budget`` bytes (default
-    AUTO_HISTORY_BYTES), least total work first; None when the whole frame fits."""
-    budget = AUTO_HISTORY_BYTES if budget is None else budget
+def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int):
+    """Tile settings that bound each tile's conv history to AUTO_HISTORY_BYTES, fewest tiles first."""
     per_px = _history_bytes_per_latent_px(spec.vae.decoder, torch.empty((), dtype=spec.dtype).element_size())
-    if h_lat * w_lat * per_px <= budget:
+    if h_lat * w_lat * per_px <= AUTO_HISTORY_BYTES:
         return None
     ov = AUTO_OVERLAP_LATENT
     best = None
@@ -143,7 +128,7 @@ def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int, budget: float | None = None
         for nw in range(1, w_lat + 1):
             th = math.ceil((h_lat + (nh - 1) * ov) / nh) if nh > 1 else h_lat
             tw = math.ceil((w_lat + (nw - 1) * ov) / nw) if nw > 1 else w_lat
-            if th * tw * per_px > budget or min(th, tw) < math.ceil(spec.radius):
+            if th * tw * per_px > AUTO_HISTORY_BYTES or min(th, tw) < math.ceil(spec.radius):
                 continue
             work = nh * nw * th * tw
             if best is None or work < best[0]:
@@ -151,7 +136,7 @@ def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int, budget: float | None = None
         if best is not None and nh > 4:
             break
     if best is None:
-        t = max(math.ceil(spec.radius), int(math.sqrt(budget / per_px)))
+        t = max(math.ceil(spec.radius), int(math.sqrt(AUTO_HISTORY_BYTES / per_px)))
         best = (0, t, t)
     _, th, tw = best
     c = spec.comp
@@ -204,11 +189,8 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, progress: boo
     spec = VaeSpec(vae)
     _validate_latents(spec, latents)
     B, _, T, h_lat, w_lat = latents.shape
-    out_channels = vae.decoder.conv_out.out_channels // (spec.patch * spec.patch)
     if tile is None:
-        out_bytes = (B * out_channels * spec.frames(T) * h_lat * w_lat * spec.comp ** 2
-                     * torch.empty((), dtype=spec.dtype).element_size())
-        auto = auto_tile(spec, h_lat, w_lat, history_budget(out_bytes))
+        auto = auto_tile(spec, h_lat, w_lat)
         tile, overlap = auto if auto is not None else (False, None)
     if tile is False:
         tiled, th, tw, oh, ow = False, 0, 0, 0, 0
@@ -222,6 +204,7 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, progress: boo
 
     H_o, W_o = h_lat * spec.comp_out, w_lat * spec.comp_out  # decoder-output (patch) space
     F_out = spec.frames(T)
+    out_channels = vae.decoder.conv_out.out_channels // (spec.patch * spec.patch)
     out = torch.empty((B, out_channels, F_out, H_o * spec.patch, W_o * spec.patch), dtype=spec.dtype,
                       device=spec.device)
     # diffusers 0.42.1 clamps to [-1, 1] everywhere except in AutoencoderKLQwenImage.tiled_decode;

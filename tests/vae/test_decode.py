@@ -148,26 +148,3 @@ def test_gpu_fp32_matches_cpu_fp32(cuda):
     cpu = ember.vae.decode(vae, z, tile=160, overlap=32, progress=False)
     gpu = ember.vae.decode(vae.to(cuda), z.to(cuda), tile=160, overlap=32, progress=False)
     assert psnr(gpu.cpu(), cpu) >= 70
-
-
-def test_history_budget_follows_output_size_within_bounds():
-    import ember.vae._decode as dec
-    assert dec.history_budget(10**6) == 0.3e9  # a tiny clip still gets the floor
-    assert dec.history_budget(194_088_960) == 2 * 194_088_960  # Wan2.1 81x480x832 bf16 output
-    assert dec.history_budget(654_213_120) == 1.0e9  # Wan2.2 121x704x1280: capped
-
-
-def test_auto_decode_uses_output_sized_budget(monkeypatch):
-    import ember.vae._decode as dec
-    vae = make_vae("wan21")
-    per_px = dec._history_bytes_per_latent_px(vae.decoder, 4)
-    seen = []
-    real = dec.auto_tile
-    monkeypatch.setattr(dec, "auto_tile", lambda spec, h, w, budget=None: seen.append(budget) or real(spec, h, w, budget))
-    monkeypatch.setattr(dec, "AUTO_HISTORY_MIN_BYTES", 0)
-    monkeypatch.setattr(dec, "AUTO_HISTORY_PER_OUTPUT_BYTE", per_px * 144 / (3 * 1 * 160 * 160 * 4))
-    z = torch.randn(1, 4, 1, 20, 20)
-    out = ember.vae.decode(vae, z, progress=False)
-    # output: 3 channels x 1 frame x 160 x 160 fp32 -> budget of 144 latent px of history
-    assert seen == [pytest.approx(per_px * 144)]
-    assert psnr(out, diffusers_decode(vae, z, None)) > 20

@@ -71,7 +71,8 @@ def run(ctx: BenchContext) -> list[Row]:
 
 
 # ----------------------------------------------------------------------------- tuning sweep
-def sweep(path: str | None = None, budget_s: float = 110.0, dtype: torch.dtype = torch.bfloat16) -> dict:
+def sweep(path: str | None = None, budget_s: float = 110.0, dtype: torch.dtype = torch.bfloat16,
+          shapes: list[tuple[int, int]] | None = None) -> dict:
     """Time GEMV tile configs (BLOCK_N, CHUNKS, KW, num_warps) on the suite's shapes (run on the GPU).
 
     KW stays at 512 bytes of K per warp-row; prints and returns the best configs per shape with
@@ -83,7 +84,7 @@ def sweep(path: str | None = None, budget_s: float = 110.0, dtype: torch.dtype =
     cfgs = [(bn, c, kw, w) for w in (4, 8) for bn in (4, 8, 16) for c in (1, 2, 4) if bn >= w]
     t0 = time.time()
     results = {}
-    for N, K in SHAPES + [(1536, 2048), (2048, 768), (4096, 4096), (128, 2048)]:
+    for N, K in shapes or SHAPES + [(1536, 2048), (2048, 768), (4096, 4096), (128, 2048)]:
         sets = _timing.copies_to_exceed_l2(N * K * torch.empty((), dtype=dtype).element_size())
         ws = [torch.randn(N, K, device=dev).to(dtype) for _ in range(sets)]
         xs = [torch.randn(1, K, device=dev).to(dtype) for _ in range(sets)]

@@ -1,6 +1,27 @@
-"""Small @triton.jit helpers shared by kernel families."""
+"""Small helpers shared by kernel families: @triton.jit math, and the arrival counters of the
+"last program to arrive finishes the work" kernels."""
+import torch
 import triton
 import triton.language as tl
+
+# Arrival counters, per (purpose, device, stream): zero between launches (the program that arrives
+# last resets its slot), so no memset launch per call. If the first use is during CUDA-graph
+# capture, the buffer comes from the graph's pool and its zeroing is captured too (harmless: the
+# counters are all zero again at every replay). Per stream, so that two streams never share slots.
+_COUNTERS: dict = {}
+_RETIRED: list = []
+
+
+def arrival_counters(purpose: str, device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` counters for ``purpose`` on the current stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (purpose, str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:  # a captured graph may still use it: never free it
+            _RETIRED.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return buf
 
 
 @triton.jit

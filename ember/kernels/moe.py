@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to
+from ember.kernels._common import arrival_counters, round_to
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -557,21 +557,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return w, ids
 
 
-# Arrival counters of _router_route_kernel, per (device, stream): zero between launches (the last
-# program of each token resets its slot), so no memset launch per call. Allocated on first use; if
-# that first use is during CUDA-graph capture the buffer comes from the graph's pool and its zeroing
-# is captured too (harmless: it is all zeros again at every replay).
-_ROUTER_COUNTERS: dict = {}
 ROUTER_MAX_TOKENS = 64
-
-
-def _router_counters(device: torch.device) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _ROUTER_COUNTERS.get(key)
-    if buf is None:
-        buf = _ROUTER_COUNTERS[key] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
-    return buf
 
 
 def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):
@@ -599,7 +585,7 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     block_h = min(4096 if x.device.type == "cuda" else 32, triton.next_power_of_2(H))
     n_prog = triton.cdiv(E, block_r)
     _router_route_kernel[(T, n_prog)](
-        x, router.contiguous(), logits, _router_counters(x.device), w, ids, E, H, x.stride(0), n_prog,
+        x, router.contiguous(), logits, arrival_counters("moe_router", x.device, T), w, ids, E, H, x.stride(0), n_prog,
         TOP_K=top_k, RENORM=renormalize, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(top_k), num_warps=4)
     return w, ids

@@ -217,3 +217,42 @@ def test_fused_qkv_real_shapes(cuda, B):
     torch.testing.assert_close(kc.float(), kc2.float(), atol=1e-2, rtol=8e-3, equal_nan=True)
     torch.testing.assert_close(vc.float(), vc2.float(), atol=1e-2, rtol=8e-3, equal_nan=True)
     _check_written(kc, vc, pos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_combine_matches_two_launch_interpreter(interpreter, monkeypatch, dtype):
+    """EMBER_ATTN_ONE_LAUNCH=1 (the last split program combines) gives the two-launch result."""
+    B, NH, KVH, D, S = 3, 8, 2, 16, 130
+    q = torch.randn(B, NH, D).to(dtype)
+    kc, vc = torch.randn(B, KVH, S, D).to(dtype), torch.randn(B, KVH, S, D).to(dtype)
+    lens = torch.tensor([1, 64, 130], dtype=torch.int32)
+    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "0")
+    two = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
+    for _ in range(2):  # the second call proves the arrival counters were reset
+        one = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+        torch.testing.assert_close(one.float(), two.float(), atol=1e-6 if dtype == torch.float32 else 8e-3, rtol=1e-5)
+    ref = _attention_f64(q, kc, vc, lens.tolist(), D ** -0.5)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 8e-3)
+    torch.testing.assert_close(one.double(), ref, atol=tol[0], rtol=tol[1])
+
+
+@pytest.mark.gpu
+def test_one_launch_combine_real_shapes_in_graph(cuda, monkeypatch):
+    NH, KVH, D, S, B = 32, 4, 128, 4096, 8
+    lens = torch.tensor([1, 7, 128, 999, 4096, 33, 2048, 64], device=cuda, dtype=torch.int32)
+    q = torch.randn(B, NH, D, device=cuda).bfloat16()
+    kc, vc = torch.randn(B, KVH, S, D, device=cuda).bfloat16(), torch.randn(B, KVH, S, D, device=cuda).bfloat16()
+    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
+    out = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+    torch.testing.assert_close(out.float(), A.decode_attention_reference(q, kc, vc, lens, D ** -0.5).float(),
+                               atol=1e-2, rtol=8e-3)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_g = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+    for i in range(200):
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        if i % 50 == 0:
+            torch.testing.assert_close(out_g.float(), A.decode_attention_reference(q, kc, vc, lens, D ** -0.5).float(),
+                                       atol=1e-2, rtol=8e-3)

@@ -1,0 +1,61 @@
+"""A/B of decode-step kernels on the Qwen3-30B-A3B shape (48 layers, random weights): bf16 GEMV
+tiles for the attention projections (swept first, F.linear in the same run), then the CUDA-graph
+decode step time of each variant on the same weights and prompt.
+
+    python bench/step_variants.py OUT_JSON
+"""
+import json
+import os
+import sys
+
+import torch
+
+from ember import _dispatch
+from ember.bench import moe as moe_bench
+from ember.bench.linear import sweep
+import ember.ops.linear as linear_op
+
+
+def main(path: str) -> None:
+    gemv = _dispatch.kernels("gemv")
+    tables = sweep(None, budget_s=60, shapes=[(2048, 4096), (5120, 2048)])
+    best = {}
+    for key, table in tables.items():
+        n, k = (int(v[1:]) for v in key.split("_")[2:4])
+        cfgs = [c for t, c in table if c != "F.linear" and len(c) == 4]
+        if cfgs:
+            best[(n, k)] = dict(GEMV=True, BLOCK_N=cfgs[0][0], CHUNKS=cfgs[0][1], KW=cfgs[0][2], num_warps=cfgs[0][3])
+    hf, cfg = moe_bench.make_hf(False, torch.device("cuda"))
+    em = moe_bench.ember_from_hf(hf, cfg, max_seq_len=400)
+    ids = torch.randint(100, 1000, (1, 128))
+    default_config = gemv.gemv_config
+    default_limit = linear_op.GEMV_MAX_ROW_BYTES_CUDA
+
+    def tuned(N, K, elsize, k_blocked=False):
+        return dict(best[(N, K)]) if (N, K) in best and elsize == 2 and not k_blocked else default_config(N, K, elsize, k_blocked)
+
+    variants = {"default": ({}, False), "attn_one_launch": ({"EMBER_ATTN_ONE_LAUNCH": "1"}, False),
+                "gemv_tuned_oproj": ({}, True), "both": ({"EMBER_ATTN_ONE_LAUNCH": "1"}, True)}
+    steps = {}
+    for name, (env, tune) in variants.items():
+        os.environ.update(env)
+        gemv.gemv_config = tuned if tune else default_config
+        linear_op.GEMV_MAX_ROW_BYTES_CUDA = 8192 if tune else default_limit
+        try:
+            m = moe_bench.ember_from_hf(hf, cfg, max_seq_len=400, net=em.net)
+            moe_bench.ember_decode(m, [ids[0].tolist()], 32)
+            steps[name] = [moe_bench.graph_step_ms(m, 1) for _ in range(3)]
+        except Exception as e:
+            steps[name] = repr(e)[:300]
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+            gemv.gemv_config, linear_op.GEMV_MAX_ROW_BYTES_CUDA = default_config, default_limit
+        print(name, steps[name], flush=True)
+    with open(path, "w") as f:
+        json.dump({"gemv_sweep": tables, "best": {f"{n}x{k}": c for (n, k), c in best.items()},
+                   "graph_step_ms": steps}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

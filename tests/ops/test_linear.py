@@ -110,8 +110,11 @@ def test_gemv_config_rule():
     assert pick == {(8192, 8192): (8, 1, 512, 4), (4096, 4096): (8, 2, 512, 4),
                     (1536, 2048): (4, 4, 512, 4), (2048, 768): (8, 2, 512, 4)}
     # the same rule in bytes: 512 bytes of K per warp-row, one chunk from 8 KiB rows
-    assert cfg(5120, 2048, 2)["KW"] == 256 and cfg(5120, 2048, 2)["CHUNKS"] == 2
-    assert cfg(2048, 4096, 2)["CHUNKS"] == 1 and cfg(2048, 4096, 4)["KW"] == 128
+    assert cfg(5120, 1024, 2)["KW"] == 256 and cfg(5120, 1024, 2)["CHUNKS"] == 2
+    assert cfg(2048, 8192, 2)["CHUNKS"] == 1 and cfg(2048, 4096, 4)["KW"] == 128
+    # swept bf16 shapes take their measured tiles (ember.kernels.gemv.MEASURED_2BYTE)
+    assert cfg(2048, 4096, 2) == dict(GEMV=True, BLOCK_N=8, CHUNKS=4, KW=256, num_warps=4)
+    assert cfg(5120, 2048, 2) == dict(GEMV=True, BLOCK_N=16, CHUNKS=2, KW=256, num_warps=8)
     # short rows: several rows per warp, so BLOCK_N grows to keep every thread loading
     assert cfg(100, 7, 2) == dict(GEMV=True, BLOCK_N=128, CHUNKS=1, KW=8, num_warps=4)
 

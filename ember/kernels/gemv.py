@@ -91,10 +91,11 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
 
 
 # ----------------------------------------------------------------------------- configuration
-# bf16/fp16 weights, shapes swept on the H200 (bench/step_variants.py, graph-timed, F.linear in the same
-# run): N x K -> (BLOCK_N, CHUNKS, num_warps). 2048 x 4096 (Qwen3-30B-A3B o_proj): 7.17 us vs F.linear
-# 9.7 and the byte rule's (8, 1, 4) 16.0; 5120 x 2048 (qkv): 7.12 us vs F.linear 8.2. The decode
-# step with both: 2.924 ms vs 3.080 ms.
+# bf16/fp16 weights, shapes swept on the H200 (ember.bench.linear.sweep, graph-timed): N x K ->
+# (BLOCK_N, CHUNKS, num_warps). 2048 x 4096 (Qwen3-30B-A3B o_proj): 7.17 us; F.linear in the same
+# sweep was not among the 5 best (> 7.84 us) and measured 9.66 us in the linear suite, the byte
+# rule's (8, 1, 4) 16.0 us. 5120 x 2048 (qkv): 7.12 us vs F.linear 8.20 (linear suite). The decode
+# step with both (bench/step_variants.py, same weights): 2.924 ms vs 3.080 ms.
 MEASURED_2BYTE = {(2048, 4096): (8, 4, 4), (5120, 2048): (16, 2, 8)}
 
 

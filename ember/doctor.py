@@ -29,6 +29,7 @@ FAMILIES = {
     "conv1d": "ember.ops.conv1d",
     "deltanet": "ember.ops.deltanet",
     "attention": "ember.ops.attention",
+    "linear": "ember.ops.linear",
 }
 # Families whose fast path needs more than "a GPU Triton can compile for".
 FP8_TENSOR_CORE_MIN_CC = (8, 9)

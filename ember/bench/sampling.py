@@ -1,10 +1,12 @@
 """``ember bench sampling``: softmax, argmax and fused sampling against torch, in the same run.
 
 Floors (H200: 4.15 TB/s copy bandwidth, ~2-3 us per dependent kernel launch inside a graph):
-  * [1, 128256] fp32 is 513 KB: 0.12 us of HBM time, so one row is pure latency. softmax reads it
-    twice (stats, normalise) and writes it once; argmax reads it once. Two small launches ~ 3 us.
+  * [1, 128256] fp32 is 513 KB: 0.12 us of HBM time, so one row is pure latency. softmax (one launch
+    with a grid barrier for few rows) reads it once and writes it once; argmax (one launch, atomics
+    on the row's slot) reads it once. One launch plus the barrier or atomics: ~3-4 us measured.
   * [256, 128256] fp32 softmax moves 131 MB in + 131 MB out = 263 MB -> 63 us at copy bandwidth
-    (the split kernel re-reads the input; the second read hits L2 for the rows read last).
+    (too many rows for the one-launch path: the two-launch kernel re-reads the input; the second
+    read hits L2 only for the rows read last, hence ~59% of copy bandwidth).
   * sample [1, 128256]: two launches over 513 KB plus a sort of <= 512 candidates in one program.
 """
 from __future__ import annotations

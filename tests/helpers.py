@@ -27,3 +27,20 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     atol, rtol = ROUNDED_ONCE[dtype or actual.dtype]
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=kw.get("atol", atol),
                                rtol=kw.get("rtol", rtol), equal_nan=False)
+
+
+def check_compile_and_graph(f, x):
+    """``f(x)`` under torch.compile(fullgraph=True) equals eager, and a CUDA graph of ``f`` replayed on
+    new values of ``x`` equals eager too (both bit for bit). Returns the graph's output buffer."""
+    exp = f(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), exp, atol=0, rtol=0)
+    f(x)  # warm-up outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = f(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, f(x), atol=0, rtol=0)
+    return out

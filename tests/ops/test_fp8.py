@@ -6,7 +6,7 @@ import torch
 import ember
 from ember import _dispatch
 from ember.ops import fp8
-from tests.helpers import poisoned
+from tests.helpers import check_compile_and_graph, poisoned
 
 E4M3 = torch.float8_e4m3fn
 
@@ -497,12 +497,4 @@ def test_gpu_compile_fullgraph_and_cuda_graph(cuda):
         qx, sx = ember.ops.quantize_fp8(x, "block", (1, 128))
         return ember.ops.scaled_mm(qx, qw.t(), sx, sw.t()) + ember.ops.scaled_mm(x, qw.t(), None, sw.t())
 
-    exp = f(x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), exp, atol=0, rtol=0)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = f(x)
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.testing.assert_close(out, f(x), atol=0, rtol=0)
+    check_compile_and_graph(f, x)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import ember
 from ember import _dispatch
-from tests.helpers import assert_close, poisoned
+from tests.helpers import assert_close, check_compile_and_graph, poisoned
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 linear_mod = __import__("ember.ops.linear", fromlist=["linear"])
@@ -211,15 +211,5 @@ def test_gpu_cuda_graph_and_compile_fullgraph(cuda):
     def f(x):
         return ember.ops.linear(x, w, b) * 2
 
-    exp = f(x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), exp, atol=0, rtol=0)
-    f(x)  # warm-up outside capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = f(x)
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.testing.assert_close(out, f(x), atol=0, rtol=0)
+    out = check_compile_and_graph(f, x)
     assert_close(out / 2, float64_linear(x.reshape(1, -1), w, b).reshape(1, 1, -1), torch.bfloat16)

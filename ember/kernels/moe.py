@@ -103,12 +103,41 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_row,
 
 # ============================================================================ shared pieces
 @triton.jit
-def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, E, H, stride_x, n_prog,
-                         TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr):
+def _sigmoid_topk_of_row(logits_ptr, row, E, bias_ptr, scaling, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr):
+    """LFM2 routing: scores = sigmoid(logits); the TOP_K largest scores + bias (ties -> lower index)
+    are chosen, their unbiased scores normalised by (sum + 1e-6) when RENORM, times ``scaling``."""
+    offs = tl.arange(0, BLOCK_E)
+    in_range = offs < E
+    logits = tl.load(logits_ptr + row * E + offs, mask=in_range, other=0.0, volatile=True)
+    scores = 1.0 / (1.0 + tl.exp(-logits))
+    choose = scores
+    if HAS_BIAS:
+        choose = choose + tl.load(bias_ptr + offs, mask=in_range, other=0.0)
+    choose = tl.where(in_range, choose, float("-inf"))
+    kk = tl.arange(0, BLOCK_KK)
+    ids = tl.zeros([BLOCK_KK], dtype=tl.int32)
+    ws = tl.zeros([BLOCK_KK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choose, axis=0)
+        idx = tl.min(tl.where(choose == best, offs, BLOCK_E), axis=0)
+        ids = tl.where(kk == j, idx, ids)
+        ws = tl.where(kk == j, tl.sum(tl.where(offs == idx, scores, 0.0), axis=0), ws)
+        choose = tl.where(offs == idx, float("-inf"), choose)
+    if RENORM:
+        ws = ws / (tl.sum(ws, axis=0) + 1e-6)
+    return ws * scaling, ids
+
+
+@triton.jit
+def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bias_ptr, scaling, E, H, stride_x, n_prog,
+                         TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_KK: tl.constexpr):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
-    ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter."""
+    ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
+    Routing: Qwen3's softmax top-k, or (SIGMOID) LFM2's biased sigmoid selection."""
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < E
@@ -123,7 +152,11 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, E, 
     logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
     if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
-        ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+        if SIGMOID:
+            ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
+                                           BLOCK_E, BLOCK_KK)
+        else:
+            ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
         kk = tl.arange(0, BLOCK_KK)
         tl.store(tw_ptr + t * TOP_K + kk, ws, mask=kk < TOP_K)
         tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kk < TOP_K)
@@ -560,7 +593,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
 ROUTER_MAX_TOKENS = 64
 
 
-def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):
+def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
+                 scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0):
     """Routing straight from hidden states ``x [T, H]`` and the router weight ``[E, H]``, T <= 64.
 
     One launch instead of a router GEMV (cuBLAS) plus the route kernel: at batch-1 decode each
@@ -584,9 +618,11 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     block_r = 2
     block_h = min(4096 if x.device.type == "cuda" else 32, triton.next_power_of_2(H))
     n_prog = triton.cdiv(E, block_r)
+    bias = expert_bias.float().contiguous() if expert_bias is not None else logits
     _router_route_kernel[(T, n_prog)](
-        x, router.contiguous(), logits, arrival_counters("moe_router", x.device, T), w, ids, E, H, x.stride(0), n_prog,
-        TOP_K=top_k, RENORM=renormalize, BLOCK_R=block_r, BLOCK_H=block_h,
+        x, router.contiguous(), logits, arrival_counters("moe_router", x.device, T), w, ids, bias, float(scaling),
+        E, H, x.stride(0), n_prog, TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=expert_bias is not None, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(top_k), num_warps=4)
     return w, ids
 

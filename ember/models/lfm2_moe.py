@@ -26,12 +26,11 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ember.ops
 from ember.models import _common, _hybrid, qwen3_moe
-from ember.ops.moe import moe_experts  # the submodule: ember.ops.moe may also name the moe() function
+from ember.ops.moe import moe_experts, moe_route_hidden  # the submodule: ember.ops.moe also names a function
 
 MODEL_TYPE = "lfm2_moe"
 LAYER_TYPES = ("conv", "full_attention")
@@ -92,14 +91,14 @@ class Lfm2SparseMoe(nn.Module):
         self.top_k, self.normalize, self.scaling = top_k, normalize, float(scaling)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights float32 [T, k], expert ids int32 [T, k])."""
-        scores = F.linear(x, self.router).float().sigmoid()                  # [T, E]
-        choose = scores if self.expert_bias is None else scores + self.expert_bias
-        ids = torch.topk(choose, self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
-        return weights * self.scaling, ids.to(torch.int32)
+        """x [T, H] -> (weights float32 [T, k], expert ids int32 [T, k]).
+
+        One launch on the GPU for up to 64 tokens (router GEMV + sigmoid + biased top-k + normalise +
+        scale): the torch sequence it replaces is ~11 launches per MoE layer. The kernel design is the
+        Qwen3 router's, which measured faster than cuBLAS + one route kernel on the H200; this
+        variant itself is not yet timed."""
+        return moe_route_hidden(x, self.router, self.top_k, renormalize=self.normalize, scoring="sigmoid",
+                                expert_bias=self.expert_bias, scaling=self.scaling)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])

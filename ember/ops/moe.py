@@ -9,7 +9,8 @@
   gate rows first, down_proj ``[E, H, I]``).
 * ``moe(x, router_logits, w_gate_up, w_down, top_k)``: both, routing fused into dispatch; what a
   model calls per MoE layer.
-* ``moe_route_hidden(x, router_weight, top_k)``: ``moe_route(F.linear(x, router_weight), top_k)``
+* ``moe_route_hidden(x, router_weight, top_k)``: ``moe_route(F.linear(x, router_weight), top_k)``, or
+  with ``scoring="sigmoid"`` LFM2's routing (biased sigmoid selection, see the function),
   with the router GEMV and the routing in one launch on CUDA (up to 64 tokens): what a decode step
   calls before ``moe_experts``. The logits are rounded to ``x.dtype`` first, as F.linear returns them.
 
@@ -64,14 +65,32 @@ def _validate_top_k(top_k, E: int, renormalize, name: str, e_from: str) -> int:
     return top_k
 
 
-def _validate_route_hidden(x, router_weight, top_k, renormalize) -> int:
+SCORINGS = ("softmax", "sigmoid")
+
+
+def _validate_route_hidden(x, router_weight, top_k, renormalize, scoring="softmax", expert_bias=None,
+                           scaling=1.0) -> int:
     _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, ndim=2)
     _checks.tensor("router_weight", router_weight, dtypes=(x.dtype,), ndim=2)
     _checks.same_device(x=x, router_weight=router_weight)
     if router_weight.shape[1] != x.shape[1]:
         raise ValueError(f"router_weight: expected shape [E, {x.shape[1]}] (x.shape[1] columns), "
                          f"got {tuple(router_weight.shape)}")
-    return _validate_top_k(top_k, router_weight.shape[0], renormalize, "router_weight", "router_weight.shape[0]")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
+    E = router_weight.shape[0]
+    if expert_bias is not None:
+        if scoring != "sigmoid":
+            raise ValueError("expert_bias: only sigmoid scoring takes an expert bias")
+        _checks.tensor("expert_bias", expert_bias, dtypes=_checks.FLOAT_DTYPES, ndim=1)
+        _checks.same_device(x=x, expert_bias=expert_bias)
+        if expert_bias.shape[0] != E:
+            raise ValueError(f"expert_bias: expected shape [{E}] (router_weight.shape[0]), got {tuple(expert_bias.shape)}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < float("inf"):
+        raise ValueError(f"scaling: expected a finite number > 0, got {scaling!r}")
+    if scoring == "softmax" and scaling != 1.0:
+        raise ValueError("scaling: only sigmoid scoring takes a routed scaling factor")
+    return _validate_top_k(top_k, E, renormalize, "router_weight", "router_weight.shape[0]")
 
 
 def _ceil(a: int, b: int) -> int:
@@ -181,18 +200,29 @@ def _route_impl(router_logits, top_k, renormalize):
     return _dispatch.kernels("moe").route(router_logits, top_k, renormalize)
 
 
-def moe_route_hidden_reference(x, router_weight, top_k: int, renormalize: bool = True):
-    """The spec of :func:`moe_route_hidden`: F.linear (logits in x.dtype), then moe_route_reference."""
+def moe_route_hidden_reference(x, router_weight, top_k: int, renormalize: bool = True, scoring: str = "softmax",
+                               expert_bias: torch.Tensor | None = None, scaling: float = 1.0):
+    """The spec of :func:`moe_route_hidden`: F.linear (logits in x.dtype), then moe_route_reference,
+    or for sigmoid scoring: float32 sigmoid scores, the k largest of scores + bias (ties -> lower
+    index), their unbiased scores / (sum + 1e-6) when ``renormalize``, times ``scaling``."""
+    if scoring == "sigmoid":
+        scores = F.linear(x, router_weight).float().sigmoid()
+        choose = scores if expert_bias is None else scores + expert_bias.float()
+        ids = torch.sort(choose, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        weights = scores.gather(1, ids)
+        if renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+        return (weights * scaling).contiguous(), ids.to(torch.int32).contiguous()
     return moe_route_reference(F.linear(x, router_weight), top_k, renormalize)
 
 
-def _route_hidden_impl(x, router_weight, top_k, renormalize):
-    if not _dispatch.use_triton(x):
-        return moe_route_hidden_reference(x, router_weight, top_k, renormalize)
+def _route_hidden_impl(x, router_weight, top_k, renormalize, scoring="softmax", expert_bias=None, scaling=1.0):
+    if not _dispatch.use_triton(x) or (scoring == "sigmoid" and x.shape[0] > 64):
+        return moe_route_hidden_reference(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
     kmod = _dispatch.kernels("moe")
     if x.shape[0] > kmod.ROUTER_MAX_TOKENS:  # prefill: cuBLAS for the GEMM, then the route kernel
         return kmod.route(F.linear(x, router_weight), top_k, renormalize)
-    return kmod.route_hidden(x, router_weight, top_k, renormalize)
+    return kmod.route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
 
 
 def _experts_impl(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale):
@@ -225,14 +255,14 @@ def _(router_logits, top_k, renormalize):
 
 
 @torch.library.custom_op("ember::moe_route_hidden", mutates_args=())
-def _moe_route_hidden_op(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
-                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    w, ids = _route_hidden_impl(x, router_weight, top_k, renormalize)
+def _moe_route_hidden_op(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, scoring: str,
+                         expert_bias: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    w, ids = _route_hidden_impl(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
     return w, ids
 
 
 @_moe_route_hidden_op.register_fake
-def _(x, router_weight, top_k, renormalize):
+def _(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling):
     T = x.shape[0]
     return x.new_empty((T, top_k), dtype=torch.float32), x.new_empty((T, top_k), dtype=torch.int32)
 
@@ -276,20 +306,28 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, renormalize: bool = Tr
     return _route_impl(router_logits, top_k, renormalize)
 
 
-def moe_route_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, renormalize: bool = True):
+def moe_route_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, renormalize: bool = True,
+                     scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0):
     """``moe_route(F.linear(x, router_weight), top_k)``: routing from hidden states ``x [T, H]``.
 
     ``router_weight [E, H]`` has x's dtype; the logits are rounded to it (as F.linear returns them)
-    before the float32 softmax. On CUDA, up to 64 tokens take one launch for the router GEMV and the
-    routing together. Returns ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``.
+    before the float32 math. ``scoring="softmax"``: Qwen3 (softmax, top-k, renormalise).
+    ``scoring="sigmoid"``: LFM2-MoE (sigmoid scores; the k largest of ``scores + expert_bias`` are
+    chosen, the bias steering selection only; their scores divided by ``sum + 1e-6`` when
+    ``renormalize``; times ``scaling``, the routed scaling factor). Ties go to the lower expert index.
+    On CUDA, up to 64 tokens take one launch for the router GEMV and the routing together. Returns
+    ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``.
 
     Example:
         >>> w, ids = ember.ops.moe_route_hidden(torch.randn(1, 64), torch.randn(8, 64), 2)
+        >>> w, ids = ember.ops.moe_route_hidden(torch.randn(1, 64), torch.randn(8, 64), 2, scoring="sigmoid",
+        ...                                     expert_bias=torch.zeros(8), scaling=2.5)
     """
-    top_k = _validate_route_hidden(x, router_weight, top_k, renormalize)
+    top_k = _validate_route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
+    scaling = float(scaling)
     if _dispatch.compiling():
-        return _moe_route_hidden_op(x, router_weight, top_k, renormalize)
-    return _route_hidden_impl(x, router_weight, top_k, renormalize)
+        return _moe_route_hidden_op(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
+    return _route_hidden_impl(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
 
 
 def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

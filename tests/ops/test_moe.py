@@ -551,3 +551,62 @@ def test_gpu_route_hidden_qwen3_shapes_in_graph(cuda):
             w_ref, ids_ref = moe_ops.moe_route_hidden_reference(x, router, QK)
             mismatches += int(not torch.equal(ids_g, ids_ref))
     assert mismatches <= 1
+
+
+def float64_sigmoid_route(x, router, top_k, bias, renormalize, scaling):
+    """LFM2 routing in float64 from logits rounded once to x.dtype (what F.linear returns)."""
+    s = (x.double() @ router.double().t()).to(x.dtype).double().sigmoid()
+    choose = s if bias is None else s + bias.double()
+    T, n = s.shape
+    ids = torch.tensor([sorted(range(n), key=lambda e: (-choose[t, e].item(), e))[:top_k] for t in range(T)])
+    w = s.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-6)
+    return w * scaling, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e,k,with_bias,renormalize,scaling", [(8, 2, True, True, 2.5), (32, 4, False, True, 1.0),
+                                                                (60, 4, True, False, 1.0)])
+def test_route_hidden_sigmoid_kernel_interpreter(interpreter, dtype, e, k, with_bias, renormalize, scaling):
+    from ember.kernels import moe as kmod
+    h = 64
+    router = (torch.randn(e, h) / h ** 0.5).to(dtype)
+    bias = torch.randn(e) * 0.3 if with_bias else None
+    for T in (1, 3):
+        x = torch.randn(T, h).to(dtype)
+        w, ids = kmod.route_hidden(x, router, k, renormalize, "sigmoid", bias, scaling)
+        w64, ids64 = float64_sigmoid_route(x, router, k, bias, renormalize, scaling)
+        assert torch.equal(ids.long(), ids64)
+        torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=1e-6)
+        ref_w, ref_ids = moe_ops.moe_route_hidden_reference(x, router, k, renormalize, "sigmoid", bias, scaling)
+        assert torch.equal(ref_ids, ids) and torch.allclose(ref_w, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(scoring="tanh"), "scoring"),
+    (dict(expert_bias=torch.zeros(8)), "expert_bias"),
+    (dict(scoring="sigmoid", expert_bias=torch.zeros(7)), "expert_bias"),
+    (dict(scoring="sigmoid", expert_bias=torch.zeros(8, 1)), "expert_bias"),
+    (dict(scoring="sigmoid", scaling=0.0), "scaling"),
+    (dict(scoring="sigmoid", scaling=float("nan")), "scaling"),
+    (dict(scaling=2.0), "scaling"),
+])
+def test_route_hidden_sigmoid_bad_input(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        moe_ops.moe_route_hidden(torch.randn(1, 64), torch.randn(8, 64), 2, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_route_hidden_sigmoid_lfm2_shapes(cuda):
+    E_, H_, K_ = 32, 2048, 4  # LFM2-8B-A1B
+    router = (torch.randn(E_, H_, device=cuda) / H_ ** 0.5).bfloat16()
+    bias = torch.randn(E_, device=cuda) * 0.1
+    x = torch.randn(4, H_, device=cuda).bfloat16()
+    w, ids = moe_ops.moe_route_hidden(x, router, K_, scoring="sigmoid", expert_bias=bias, scaling=2.5)
+    w_ref, ids_ref = moe_ops.moe_route_hidden_reference(x, router, K_, True, "sigmoid", bias, 2.5)
+    same = (ids == ids_ref).all(-1)
+    assert same.float().mean() >= 0.75  # a bf16 rounding of a logit may swap near-tied experts
+    logit_max = float((x.float() @ router.float().t()).abs().max())
+    ulp = 2.0 ** (torch.tensor(logit_max).log2().floor().item() - 7)
+    torch.testing.assert_close(w[same], w_ref[same], rtol=2 * ulp, atol=1e-6)

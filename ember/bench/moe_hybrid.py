@@ -21,6 +21,7 @@ not timed here (the device-time budget of the run does not cover its minutes of 
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -31,6 +32,24 @@ from ember.bench import moe as moe_bench
 COPY_BW = 4.155e12
 PROMPT, STEPS, HF_NEW = 128, 128, 16
 TARGETS = {"lfm2_moe_8b_a1b": (600.0, 30.0), "qwen3_5_moe_35b_a3b": (300.0, 40.0)}
+# Opt-in kernels timed beside the default bf16 decode (environment read while capturing), per family.
+VARIANTS = {"qwen3_5_moe_35b_a3b": {"deltanet_fused": {"EMBER_DELTANET_FUSED": "1"}}, "lfm2_moe_8b_a1b": {}}
+
+
+def _variant_tok_s(net, ids, steps, env: dict) -> float | str:
+    """bf16 decode tok/s with ``env`` set while the graph is captured and replayed (restored after)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return ember_decode(net, ids, steps)["tok_s"]
+    except Exception as e:  # recorded, not fatal
+        return repr(e)[:200]
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def make_hf(kind: str, quick: bool, device):
@@ -175,6 +194,9 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
             extra = dict(extra_hf, prefill_s=r["prefill_s"], warmup_s=r["capture_s"], load_s=load_s,
                          floor_ms=floor_ms, roofline_tok_s=1e3 / floor_ms,
                          fraction_of_roofline=r["tok_s"] * floor_ms / 1e3, prompt=prompt, decode_steps=steps)
+            if not fp8 and ctx.on_gpu and VARIANTS.get(kind):
+                extra["tok_s_variants"] = {v: _variant_tok_s(net, ids, steps, env) for v, env in VARIANTS[kind].items()}
+                print(f"{name} variants (tok/s):", extra["tok_s_variants"], flush=True)
             del net
             if not fp8:
                 bf16 = r["tok_s"]

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything the H200 has to run, for one device call per group (each call is limited to 10 minutes):
 #   bash bench/run_h200.sh tests                  # every GPU test, in parallel processes (~2 min)
-#   bash bench/run_h200.sh norm sampling fp8      # fast suites (~3 min)
+#   bash bench/run_h200.sh norm sampling fp8 linear  # fast suites (~3 min)
 #   bash bench/run_h200.sh moe_ops moe            # MoE suites (~5 min)
 #   bash bench/run_h200.sh moe_hybrid             # LFM2 / Qwen3.5 (HF baselines are slow)
 #   bash bench/run_h200.sh vae                    # needs the diffusers wheel in .whl/ (README of the device tool)
 #   bash bench/run_h200.sh sweeps                 # fp8 GEMV tiles, MoE T=1 v1 vs v2 (pick the defaults from these)
 #   bash bench/run_h200.sh prefill_sweep profile_vae profile_llm  # MoE prefill tiles; where VAE / LLM time goes
+#   python bench/step_variants.py $OUT/step_variants.json  # decode-step A/B of bf16 GEMV tiles, attention (~2 min)
 # Results land in $OUT (or ./out): <suite>.json, gpu_tests.txt, doctor.txt; copy them to bench/results/h200/.
 set -u
 OUT=${OUT:-out}

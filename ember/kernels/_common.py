@@ -3,6 +3,7 @@
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # Arrival counters, per (purpose, device, stream): zero between launches (the program that arrives
 # last resets its slot), so no memset launch per call. If the first use is during CUDA-graph
@@ -39,3 +40,42 @@ def round_to(x, dtype: tl.constexpr):
         return tl.where(x != x, x.to(tl.bfloat16), as_bf16)  # keep NaN a NaN
     else:
         return x.to(dtype)
+
+
+# Float32 transcendentals that equal torch's CUDA kernels bit for bit on the GPU. torch computes
+# exp with CUDA's expf, log1p with log1pf and divides with IEEE division; Triton's tl.exp lowers to
+# the approximate ex2.approx and its fp32 "/" to the approximate div.full, so these use libdevice
+# (the same expf / log1pf) and div_rn. Triton's interpreter has no libdevice (LIBDEVICE=False):
+# numpy's exp there, which differs from torch's CPU exp in the last bit of ~40% of fp32 values.
+@triton.jit
+def exp_f32(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def sigmoid_f32(x, LIBDEVICE: tl.constexpr):
+    """torch's ``sigmoid`` in float32: ``1 / (1 + exp(-x))``."""
+    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + exp_f32(-x, LIBDEVICE))
+
+
+@triton.jit
+def silu_f32(x, LIBDEVICE: tl.constexpr):
+    """torch's ``F.silu`` in float32: ``x / (1 + exp(-x))`` (not ``x * sigmoid(x)``: one rounding less)."""
+    return tl.math.div_rn(x, 1.0 + exp_f32(-x, LIBDEVICE))
+
+
+@triton.jit
+def softplus_f32(x, LIBDEVICE: tl.constexpr):
+    """torch's ``F.softplus`` (beta=1, threshold=20) in float32: ``x`` where ``x > 20``, else
+    ``log1p(exp(x))``."""
+    xc = tl.where(x > 20.0, 20.0, x)  # the pass-through lanes never overflow exp; NaN stays NaN
+    if LIBDEVICE:
+        sp = libdevice.log1p(libdevice.exp(xc))
+    else:  # no log1p in the interpreter: log(1 + e) corrected by e / ((1 + e) - 1), a few ulps
+        e = tl.exp(xc)
+        u = 1.0 + e
+        sp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return tl.where(x > 20.0, x, sp)

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
@@ -16,6 +17,32 @@ def _inputs(B, T, HK, HV, DK, DV, dtype=torch.float32, device="cpu"):
     g = (-torch.rand(B, T, HV, device=device) * 0.5).to(dtype)  # log decay <= 0
     beta = torch.rand(B, T, HV, device=device).to(dtype)
     return q, k, v, g, beta
+
+
+def _raw_gates(B, T, HV, dtype=torch.float32, device="cpu"):
+    """a, dt_bias, neg_a, b as Qwen3.5 projects them (a and b slices of one [b | a] projection), with
+    a few a + dt_bias values past softplus' threshold of 20 and far below zero."""
+    ba = (torch.randn(B, T, 2 * HV, device=device) * 4).to(dtype)
+    b, a = ba[..., :HV], ba[..., HV:]
+    a[0, 0, 0] = 30.0
+    a[-1, -1, -1] = -95.0
+    dt_bias = torch.randn(HV, device=device)
+    neg_a = -torch.rand(HV, device=device).mul(4).exp()
+    return a, dt_bias, neg_a, b
+
+
+def _numpy_gates(a, dt_bias, neg_a, b):
+    """The gate formulas with numpy's float32 exp/log, as Triton's interpreter evaluates the kernel
+    (no libdevice there: log1p is log(1 + e) * e / ((1 + e) - 1)); torch's CPU exp differs in the
+    last bit, so this, not gates_reference, is what the interpreted kernel must equal bit for bit."""
+    x = a.float().numpy() + dt_bias.float().numpy()
+    with np.errstate(over="ignore"):
+        e = np.exp(np.where(x > 20, np.float32(20), x))
+        u = np.float32(1) + e
+        sp = np.where(u == 1, e, np.log(u) * (e / np.where(u == 1, np.float32(1), u - np.float32(1))))
+        g = neg_a.float().numpy() * np.where(x > 20, x, sp)
+        beta = np.float32(1) / (np.float32(1) + np.exp(-b.float().numpy()))
+    return torch.from_numpy(g), torch.from_numpy(beta).to(b.dtype)
 
 
 def _hf(fn, q, k, v, g, beta, state, **kw):
@@ -74,6 +101,64 @@ def test_kernel_without_state_interpreter(interpreter):
                  deltanet.gated_delta_rule_reference(q, k, v, g, beta)[0], torch.float32)
 
 
+def test_gates_reference_matches_float64():
+    a, dt_bias, neg_a, b = _raw_gates(2, 5, 4)
+    g, beta = deltanet.gates_reference(a, dt_bias, neg_a, b)
+    x = a.double() + dt_bias.double()
+    exp_g = neg_a.double() * torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+    assert g.dtype == torch.float32 and beta.dtype == b.dtype
+    # atol: softplus(-95) ~ 5e-42 is subnormal in fp32, where precision is absolute (2^-149)
+    torch.testing.assert_close(g, exp_g.float(), rtol=1e-6, atol=1e-44)
+    torch.testing.assert_close(beta, torch.sigmoid(b.double()).float(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("raw", ["g", "beta", "both"])
+def test_raw_gates_reference_path_equals_precomputed(raw):
+    q, k, v, _, _ = _inputs(1, 4, 2, 4, 8, 8, torch.bfloat16)
+    a, dt_bias, neg_a, b = _raw_gates(1, 4, 4, torch.bfloat16)
+    g, beta = deltanet.gates_reference(a, dt_bias, neg_a, b)
+    s1, s2 = torch.randn(1, 4, 8, 8), None
+    s2 = s1.clone()
+    kw = {}
+    kw.update(a=a, dt_bias=dt_bias, neg_a=neg_a) if raw != "beta" else kw.update(g=g)
+    kw.update(b=b) if raw != "g" else kw.update(beta=beta)
+    got = ember.ops.gated_delta_rule(q, k, v, state=s1, **kw)
+    assert torch.equal(got, ember.ops.gated_delta_rule(q, k, v, g, beta, state=s2))
+    assert torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,HK,HV,DK,DV", [(1, 1, 2, 4, 16, 40), (2, 3, 1, 2, 24, 8)])
+def test_kernel_raw_gates_interpreter(interpreter, dtype, B, T, HK, HV, DK, DV):
+    q, k, v, _, _ = _inputs(B, T, HK, HV, DK, DV, dtype)
+    a, dt_bias, neg_a, b = _raw_gates(B, T, HV, dtype)
+    state = torch.randn(B, HV, DK, DV)
+    s_raw, s_pre = state.clone(), state.clone()
+    o = ember.ops.gated_delta_rule(q, k, v, a=a, dt_bias=dt_bias, neg_a=neg_a, b=b, state=s_raw)
+    # bit for bit the kernel fed the same gates precomputed (with the interpreter's exp)
+    g_np, beta_np = _numpy_gates(a, dt_bias, neg_a, b)
+    assert torch.equal(o, ember.ops.gated_delta_rule(q, k, v, g_np, beta_np, state=s_pre))
+    assert torch.equal(s_raw, s_pre)
+    # and the spec, torch's gates on the reference scan, to rounding
+    o_exp, s_exp = deltanet.gated_delta_rule_reference(q, k, v, *deltanet.gates_reference(a, dt_bias, neg_a, b),
+                                                       state)
+    assert_close(o, o_exp, dtype)
+    torch.testing.assert_close(s_raw, s_exp, atol=1e-5, rtol=1e-5)
+
+
+def test_compile_fullgraph_raw_gates():
+    q, k, v, _, _ = _inputs(1, 1, 2, 4, 16, 16)
+    a, dt_bias, neg_a, b = _raw_gates(1, 1, 4)
+    s1, s2 = torch.zeros(1, 4, 16, 16), torch.zeros(1, 4, 16, 16)
+    f = torch.compile(lambda q, k, v, a, b, s: ember.ops.gated_delta_rule(q, k, v, a=a, dt_bias=dt_bias, neg_a=neg_a,
+                                                                          b=b, state=s),
+                      fullgraph=True, backend="aot_eager")
+    got = f(q, k, v, a, b, s1)
+    torch.testing.assert_close(got, ember.ops.gated_delta_rule(q, k, v, a=a, dt_bias=dt_bias, neg_a=neg_a, b=b,
+                                                               state=s2))
+    torch.testing.assert_close(s1, s2)
+
+
 def test_compile_fullgraph():
     q, k, v, g, beta = _inputs(1, 1, 2, 4, 16, 16)
     s1, s2 = torch.zeros(1, 4, 16, 16), torch.zeros(1, 4, 16, 16)
@@ -96,6 +181,29 @@ def test_bad_input():
         ember.ops.gated_delta_rule(q, k.half(), v, g, beta)
 
 
+def test_bad_raw_gates():
+    q, k, v, g, beta = _inputs(1, 2, 2, 4, 8, 8)
+    a, dt_bias, neg_a, b = _raw_gates(1, 2, 4)
+    with pytest.raises(ValueError, match="g: expected g, or a, dt_bias and neg_a .* no dt_bias, neg_a"):
+        ember.ops.gated_delta_rule(q, k, v, beta=beta, a=a)
+    with pytest.raises(ValueError, match="g: expected either g or .* got both g and a"):
+        ember.ops.gated_delta_rule(q, k, v, g, beta, a=a, dt_bias=dt_bias, neg_a=neg_a)
+    with pytest.raises(ValueError, match="beta: expected exactly one of beta and b .* got both"):
+        ember.ops.gated_delta_rule(q, k, v, g, beta, b=b)
+    with pytest.raises(ValueError, match="beta: expected exactly one of beta and b .* got neither"):
+        ember.ops.gated_delta_rule(q, k, v, g)
+    with pytest.raises(ValueError, match=r"a: expected shape \(1, 2, 4\)"):
+        ember.ops.gated_delta_rule(q, k, v, a=a[:, :1], dt_bias=dt_bias, neg_a=neg_a, b=b)
+    with pytest.raises(ValueError, match=r"dt_bias: expected shape \(4,\) \(one per value head\)"):
+        ember.ops.gated_delta_rule(q, k, v, a=a, dt_bias=dt_bias[:3], neg_a=neg_a, b=b)
+    with pytest.raises(ValueError, match="neg_a: expected a 1-d tensor"):
+        ember.ops.gated_delta_rule(q, k, v, a=a, dt_bias=dt_bias, neg_a=neg_a[None], b=b)
+    with pytest.raises(TypeError, match="b: expected dtype"):
+        ember.ops.gated_delta_rule(q, k, v, g, b=b.to(torch.int32))
+    with pytest.raises(ValueError, match="neg_a: expected device cpu"):
+        ember.ops.gated_delta_rule(q, k, v, a=a, dt_bias=dt_bias, neg_a=neg_a.to("meta"), b=b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,T", [(1, 1), (4, 1), (1, 300)])
@@ -108,3 +216,41 @@ def test_gpu_qwen35_shapes(cuda, dtype, B, T):
     kw = {} if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     assert_close(o, o_exp, dtype, **kw)
     torch.testing.assert_close(state, s_exp, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,T", [(1, 1), (4, 1), (1, 300)])
+def test_gpu_raw_gates_bit_exact_qwen35_shapes(cuda, dtype, B, T):
+    """Gates computed in the kernel equal torch's gates fed to it, bit for bit (libdevice expf /
+    log1pf and IEEE division are what torch's CUDA softplus and sigmoid use)."""
+    q, k, v, _, _ = _inputs(B, T, 16, 32, 128, 128, dtype, cuda)
+    a, dt_bias, neg_a, b = _raw_gates(B, T, 32, dtype, cuda)
+    state = torch.randn(B, 32, 128, 128, device=cuda) * 0.1
+    s_raw, s_pre = state.clone(), state.clone()
+    o = ember.ops.gated_delta_rule(q, k, v, a=a, dt_bias=dt_bias, neg_a=neg_a, b=b, state=s_raw)
+    g, beta = deltanet.gates_reference(a, dt_bias, neg_a, b)
+    assert torch.equal(o, ember.ops.gated_delta_rule(q, k, v, g, beta, state=s_pre))
+    assert torch.equal(s_raw, s_pre)
+
+
+@pytest.mark.gpu
+def test_gpu_raw_gates_cuda_graph(cuda):
+    """One decode step at Qwen3.5-35B-A3B shapes captured in a CUDA graph, replayed on new inputs:
+    equal to eager with torch's gates, bit for bit."""
+    q, k, v, _, _ = _inputs(1, 1, 16, 32, 128, 128, torch.bfloat16, cuda)
+    a, dt_bias, neg_a, b = _raw_gates(1, 1, 32, torch.bfloat16, cuda)
+    state = torch.randn(1, 32, 128, 128, device=cuda) * 0.1
+    run = lambda: ember.ops.gated_delta_rule(q, k, v, a=a, dt_bias=dt_bias, neg_a=neg_a, b=b, state=state)
+    run()  # compile outside capture
+    torch.cuda.synchronize()
+    g_ = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_):
+        o = run()
+    for t in (q, k, v, a, b):
+        t.copy_(torch.randn_like(t) * (4 if t is a or t is b else 1))
+    s_exp = state.clone()
+    g_.replay()
+    g, beta = deltanet.gates_reference(a, dt_bias, neg_a, b)
+    assert torch.equal(o, ember.ops.gated_delta_rule(q, k, v, g, beta, state=s_exp))
+    assert torch.equal(state, s_exp)

@@ -1,11 +1,11 @@
-"""Triton kernels for RMSNorm and fused residual-add + RMSNorm (one row per program)."""
+"""Triton kernels for RMSNorm, fused residual-add + RMSNorm and gated RMSNorm (one row per program)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to
+from ember.kernels._common import round_to, silu_f32
 
 
 @triton.jit
@@ -30,6 +30,26 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     tl.store(out_ptr + row * stride_out + cols, round_to(xf * inv_rms * w, out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rmsnorm_gated_kernel(x_ptr, z_ptr, w_ptr, out_ptr, G, sxm, sxg, szm, szg, som, sog, H, eps,
+                          BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # rows are (m, g) pairs of [M, G, H] views: a head of a fused projection's z slice needs no copy
+    pid = tl.program_id(0)
+    m = (pid // G).to(tl.int64)
+    g = (pid % G).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    xf = tl.load(x_ptr + m * sxm + g * sxg + cols, mask=mask, other=0.0).to(tl.float32)
+    # the RMSNorm exactly as _add_rmsnorm_kernel computes it (same expression, block and warps, so
+    # the same reduction order on the GPU), rounded to the output dtype as the two-step path stores it
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = round_to(xf * inv_rms * w, out_ptr.dtype.element_ty).to(tl.float32)
+    z = tl.load(z_ptr + m * szm + g * szg + cols, mask=mask, other=0.0).to(tl.float32)
+    out = normed * silu_f32(z, LIBDEVICE)
+    tl.store(out_ptr + m * som + g * sog + cols, round_to(out, out_ptr.dtype.element_ty), mask=mask)
+
+
 def _launch_config(H: int) -> tuple[int, int]:
     block = triton.next_power_of_2(H)
     # ~8-16 elements per thread keeps a row in registers without spills up to H = 16384.
@@ -50,3 +70,15 @@ def add_rmsnorm(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.
         x2.stride(0), residual2.stride(0) if has_res else 0, out.stride(0),
         new_residual.stride(0) if has_res else 0,
         H, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps)
+
+
+def rmsnorm_gated(x3: torch.Tensor, z3: torch.Tensor, weight: torch.Tensor, eps: float, out3: torch.Tensor) -> None:
+    """Launch on [M, G, H] views whose last dimension is contiguous (made so by the caller)."""
+    M, G, H = x3.shape
+    if M * G == 0:
+        return
+    block, num_warps = _launch_config(H)  # the same as add_rmsnorm's: the same reduction order
+    _rmsnorm_gated_kernel[(M * G,)](
+        x3, z3, weight, out3, G, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
+        out3.stride(0), out3.stride(1), H, eps, BLOCK=block, LIBDEVICE=x3.device.type == "cuda",
+        num_warps=num_warps)

@@ -1,13 +1,18 @@
-"""RMSNorm and fused residual-add + RMSNorm.
+"""RMSNorm, fused residual-add + RMSNorm, and gated RMSNorm.
 
 ``add_rmsnorm(x, residual, weight, eps)`` returns ``(normed, new_residual)`` with
 ``new_residual = x + residual`` (rounded to the input dtype, as models keep their residual stream)
 and ``normed = new_residual / sqrt(mean(new_residual**2) + eps) * weight`` in float32 math, cast to
 the input dtype. One pass over memory instead of the four a torch composite makes.
+
+``rmsnorm_gated(x, z, weight, eps)`` is the output norm of Qwen3.5's gated DeltaNet:
+``(rmsnorm(x, weight, eps).float() * silu(z.float())).to(x.dtype)``, the norm rounded to x.dtype
+first exactly as the two-step path stores it; one launch instead of six.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ember import _dispatch
 from ember.ops import _checks
@@ -45,6 +50,11 @@ def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight
     return normed.to(x.dtype), new_residual
 
 
+def rmsnorm_gated_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The executable spec of the gated norm: the two-step torch path."""
+    return (add_rmsnorm_reference(x, None, weight, eps)[0].float() * F.silu(z.float())).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- implementation
 def _impl(x, residual, weight, eps):
     if not _dispatch.use_triton(x):
@@ -57,6 +67,28 @@ def _impl(x, residual, weight, eps):
     k.add_rmsnorm(x2, r2, weight.contiguous(), eps, out.view(-1, x.shape[-1]),
                   new_res.view(-1, x.shape[-1]) if new_res is not None else None)
     return out, new_res
+
+
+def _groups_3d(t: torch.Tensor) -> torch.Tensor:
+    """An [M, G, n] view of ``t`` (G = the second-to-last dim) with unit stride in n; copies only when
+    the leading dims cannot merge (a head-split slice of a fused projection merges, so it never does)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    G = t.shape[-2] if t.dim() >= 2 else 1
+    try:
+        return t.view(-1, G, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, G, t.shape[-1]).contiguous()
+
+
+def _gated_impl(x, z, weight, eps):
+    if not _dispatch.use_triton(x):
+        return rmsnorm_gated_reference(x, z, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel():
+        _dispatch.kernels("norm").rmsnorm_gated(_groups_3d(x), _groups_3d(z), weight.contiguous(), eps,
+                                                _groups_3d(out))
+    return out
 
 
 # ----------------------------------------------------------------------------- registration
@@ -83,6 +115,16 @@ def _rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 @_rmsnorm_op.register_fake
 def _(x, weight, eps):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("ember::rmsnorm_gated", mutates_args=())
+def _rmsnorm_gated_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _gated_impl(x, z, weight, eps)
+
+
+@_rmsnorm_gated_op.register_fake
+def _(x, z, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -114,3 +156,24 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
     if _dispatch.compiling():
         return _rmsnorm_op(x, weight, eps)
     return _impl(x, None, weight, eps)[0]
+
+
+def rmsnorm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Gated RMSNorm: ``(rmsnorm(x, weight, eps).float() * silu(z.float())).to(x.dtype)`` in one launch.
+
+    The norm is rounded to ``x.dtype`` before the gate, as the two-step path stores it; on the GPU the
+    result equals that path bit for bit (same reduction as ``rmsnorm``, torch's silu formula with
+    CUDA's expf and IEEE division). ``z`` has x's shape (no broadcasting), any float dtype, and may
+    be a strided view (a slice of a fused projection) as long as its last dim is contiguous.
+
+    Example:
+        >>> o, z = torch.randn(1, 1, 32, 128), torch.randn(1, 1, 32, 128)
+        >>> y = ember.ops.norm.rmsnorm_gated(o, z, torch.ones(128), eps=1e-6)
+    """
+    eps = _validate(x, None, weight, eps)
+    _checks.tensor("z", z, dtypes=_checks.FLOAT_DTYPES)
+    _checks.same_shape(x=x, z=z)
+    _checks.same_device(x=x, z=z)
+    if _dispatch.compiling():
+        return _rmsnorm_gated_op(x, z, weight, eps)
+    return _gated_impl(x, z, weight, eps)

@@ -1,5 +1,7 @@
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ember
 from ember import _dispatch
@@ -80,6 +82,83 @@ def test_kernel_non_contiguous_rows_interpreter(interpreter):
     exp_n, exp_r = norm.add_rmsnorm_reference(x, r, w, 1e-6)
     assert torch.equal(new_res, exp_r)
     assert_close(normed, exp_n, torch.float32)
+
+
+# ------------------------------------------------------------------ gated RMSNorm
+GATED_SHAPES = [(1, 1), (3, 99), (2, 5, 123), (1, 1, 32, 128), (2, 3, 32, 128)]
+
+
+def two_step(x, z, w, eps):
+    """The model's unfused path: ember.ops.rmsnorm, then the torch gate."""
+    return (ember.ops.rmsnorm(x, w, eps).float() * F.silu(z.float())).to(x.dtype)
+
+
+def gated_inputs(shape, dtype, device="cpu"):
+    """x, and z as the model has it: a head-split slice of a wider fused projection (strided rows)."""
+    x = torch.randn(shape, device=device).to(dtype)
+    *lead, D = shape
+    G = lead[-1] if lead else 1
+    wide = (torch.randn(*lead[:-1], 3 * G * D + 5, device=device) * 3).to(dtype)
+    z = wide[..., 5 + G * D:5 + 2 * G * D].reshape(shape)
+    return x, z, torch.randn(D, device=device).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GATED_SHAPES)
+def test_rmsnorm_gated_reference_matches_float64(dtype, shape):
+    x, z, w = gated_inputs(shape, dtype)
+    xd = x.double()
+    normed = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()).to(dtype)  # rounded first
+    exp = normed.double() * F.silu(z.double())
+    got = norm.rmsnorm_gated(x, z, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_close(got, exp, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GATED_SHAPES)
+def test_rmsnorm_gated_kernel_interpreter(interpreter, dtype, shape):
+    x, z, w = gated_inputs(shape, dtype)
+    out = poisoned(shape, dtype, "cpu")
+    D = shape[-1]
+    _dispatch.kernels("norm").rmsnorm_gated(norm._groups_3d(x), norm._groups_3d(z), w, 1e-6, norm._groups_3d(out))
+    # Bit for bit: the norm as the rmsnorm kernel rounds it, times silu in the interpreter's float32
+    # (numpy's exp, which differs from torch's CPU exp in the last bit; on the GPU both are expf)
+    zf = z.float().numpy()
+    with np.errstate(over="ignore"):
+        silu = torch.from_numpy(zf / (np.float32(1) + np.exp(-zf)))
+    assert torch.equal(out, (ember.ops.rmsnorm(x, w, 1e-6).float() * silu).to(dtype))
+    # and the two-step torch path to one rounding of the output dtype
+    assert_close(out, two_step(x, z, w, 1e-6), dtype)
+    assert torch.equal(norm.rmsnorm_gated(x, z, w, 1e-6), out)  # the public op takes this kernel
+    if len(shape) == 4:  # the model's strided z slice is viewed, not copied
+        assert norm._groups_3d(z).data_ptr() == z.data_ptr() and z.stride(-2) == D
+
+
+def test_rmsnorm_gated_reference_path_is_the_two_step_path():
+    x, z, w = gated_inputs((2, 3, 32, 128), torch.bfloat16)
+    assert torch.equal(norm.rmsnorm_gated(x, z, w, 1e-6), two_step(x, z, w, 1e-6))
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: norm.rmsnorm_gated(torch.randn(2, 8), torch.randn(2, 7), torch.ones(8)), ValueError, "z: expected shape"),
+    (lambda: norm.rmsnorm_gated(torch.randn(2, 8), torch.randn(1, 8), torch.ones(8)), ValueError, "broadcasting"),
+    (lambda: norm.rmsnorm_gated(torch.randn(2, 8), torch.ones(2, 8, dtype=torch.int32), torch.ones(8)), TypeError, "z"),
+    (lambda: norm.rmsnorm_gated(torch.randn(2, 8), None, torch.ones(8)), TypeError, "z"),
+    (lambda: norm.rmsnorm_gated(torch.randn(2, 8), torch.randn(2, 8), torch.ones(7)), ValueError, "weight"),
+    (lambda: norm.rmsnorm_gated(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), 0.0), ValueError, "eps"),
+    (lambda: norm.rmsnorm_gated(torch.randn(2, 8), torch.randn(2, 8, device="meta"), torch.ones(8)), ValueError,
+     "z: expected device cpu"),
+])
+def test_rmsnorm_gated_bad_input(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+def test_rmsnorm_gated_compile_fullgraph():
+    x, z, w = gated_inputs((2, 1, 4, 16), torch.float32)
+    f = torch.compile(lambda x, z: norm.rmsnorm_gated(x, z, w, 1e-6), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(x, z), norm.rmsnorm_gated(x, z, w, 1e-6))
 
 
 # ------------------------------------------------------------------ compile
@@ -168,3 +247,26 @@ def test_gpu_cuda_graph_capture(cuda):
     exp_n, exp_r = norm.add_rmsnorm_reference(x, r, w, 1e-6)
     assert torch.equal(new_res, exp_r)
     assert_close(out, exp_n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 32, 128), (4, 1, 32, 128), (1, 300, 32, 128), (3, 99), (2, 16384)])
+def test_gpu_rmsnorm_gated_bit_exact(cuda, dtype, shape):
+    """Equal to the two-step path (rmsnorm kernel, then torch's CUDA silu and multiply) bit for bit."""
+    x, z, w = gated_inputs(shape, dtype, cuda)
+    assert torch.equal(norm.rmsnorm_gated(x, z, w, 1e-6), two_step(x, z, w, 1e-6))
+
+
+@pytest.mark.gpu
+def test_gpu_rmsnorm_gated_cuda_graph(cuda):
+    x, z, w = gated_inputs((1, 1, 32, 128), torch.bfloat16, cuda)
+    norm.rmsnorm_gated(x, z, w, 1e-6)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = norm.rmsnorm_gated(x, z, w, 1e-6)
+    x.copy_(torch.randn_like(x))
+    z.copy_(torch.randn_like(z) * 3)
+    g.replay()
+    assert torch.equal(out, two_step(x, z, w, 1e-6))

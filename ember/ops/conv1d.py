@@ -5,6 +5,10 @@ conv in front of Qwen3.5's gated DeltaNet.
 input preceded by the state (the previous inputs; zeros when no state is given). When ``conv_state``
 [B, C, S] (S >= K-1) is given it is updated in place to hold the last S inputs, so a prefill followed by
 one-token decode steps equals one long causal convolution.
+
+``channels_last=True`` returns y as the [B, C, T] transpose of a contiguous [B, T, C] tensor (the
+kernel writes that layout directly), so a model working in [B, T, C] gets ``y.transpose(1, 2)``
+contiguous without a copy launch. The values are the same.
 """
 from __future__ import annotations
 
@@ -38,7 +42,14 @@ def _validate(x, weight, bias, conv_state, activation):
     _checks.same_device(x=x, weight=weight, bias=bias, conv_state=conv_state)
 
 
-def causal_conv1d_reference(x, weight, bias=None, conv_state=None, activation=None):
+def _empty_out(x, channels_last):
+    B, C, T = x.shape
+    if channels_last:
+        return torch.empty(B, T, C, dtype=x.dtype, device=x.device).transpose(1, 2)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def causal_conv1d_reference(x, weight, bias=None, conv_state=None, activation=None, channels_last=False):
     """The spec in float32 math; updates ``conv_state`` in place like the op."""
     B, C, T = x.shape
     K = weight.shape[1]
@@ -50,39 +61,47 @@ def causal_conv1d_reference(x, weight, bias=None, conv_state=None, activation=No
         y = F.silu(y)
     if conv_state is not None:
         conv_state.copy_(xin[..., -conv_state.shape[2]:].to(conv_state.dtype))
+    if channels_last:
+        return _empty_out(x, True).copy_(y)
     return y.to(x.dtype)
 
 
-def _impl(x, weight, bias, conv_state, activation):
+def _impl(x, weight, bias, conv_state, activation, channels_last=False):
     if not _dispatch.use_triton(x):
-        return causal_conv1d_reference(x, weight, bias, conv_state, activation)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return causal_conv1d_reference(x, weight, bias, conv_state, activation, channels_last)
+    y = _empty_out(x, channels_last)  # the kernel takes y's strides: either layout costs the same
     _dispatch.kernels("conv1d").causal_conv1d(x, weight, bias, conv_state, y, activation == "silu")
     return y
 
 
 @torch.library.custom_op("ember::causal_conv1d", mutates_args=("conv_state",))
 def _causal_conv1d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      conv_state: torch.Tensor | None, activation: str | None) -> torch.Tensor:
-    return _impl(x, weight, bias, conv_state, activation)
+                      conv_state: torch.Tensor | None, activation: str | None, channels_last: bool) -> torch.Tensor:
+    return _impl(x, weight, bias, conv_state, activation, channels_last)
 
 
 @_causal_conv1d_op.register_fake
-def _(x, weight, bias, conv_state, activation):
-    return torch.empty_like(x)
+def _(x, weight, bias, conv_state, activation, channels_last):
+    return _empty_out(x, channels_last)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  conv_state: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+                  conv_state: torch.Tensor | None = None, activation: str | None = None,
+                  channels_last: bool = False) -> torch.Tensor:
     """Depthwise causal conv1d over ``x`` [B, C, T] with ``weight`` [C, K]; updates ``conv_state``.
+
+    ``channels_last``: return y [B, C, T] as the transpose of a contiguous [B, T, C] tensor.
 
     Example:
         >>> x, w = torch.randn(1, 8, 5), torch.randn(8, 4)
         >>> state = torch.zeros(1, 8, 3)
         >>> y = ember.ops.causal_conv1d(x, w, conv_state=state, activation="silu")  # prefill
         >>> y1 = ember.ops.causal_conv1d(torch.randn(1, 8, 1), w, conv_state=state, activation="silu")  # one step
+        >>> y_btc = ember.ops.causal_conv1d(x, w, channels_last=True).transpose(1, 2)  # [1, 5, 8], contiguous
     """
     _validate(x, weight, bias, conv_state, activation)
+    if not isinstance(channels_last, bool):
+        raise TypeError(f"channels_last: expected a bool, got {type(channels_last).__name__}")
     if _dispatch.compiling():
-        return _causal_conv1d_op(x, weight, bias, conv_state, activation)
-    return _impl(x, weight, bias, conv_state, activation)
+        return _causal_conv1d_op(x, weight, bias, conv_state, activation, channels_last)
+    return _impl(x, weight, bias, conv_state, activation, channels_last)

@@ -50,9 +50,10 @@ def round_to(x, dtype: tl.constexpr):
 @triton.jit
 def exp_f32(x, LIBDEVICE: tl.constexpr):
     if LIBDEVICE:
-        return libdevice.exp(x)
+        y = libdevice.exp(x)
     else:
-        return tl.exp(x)
+        y = tl.exp(x)
+    return y
 
 
 @triton.jit

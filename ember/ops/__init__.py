@@ -14,12 +14,12 @@ from ember.ops.deltanet import gated_delta_rule
 from ember.ops.fp8 import dequantize_fp8, quantize_fp8, scaled_mm
 from ember.ops.linear import linear
 from ember.ops.moe import moe, moe_experts, moe_route, moe_route_hidden
-from ember.ops.norm import add_rmsnorm, add_rmsnorm_reference, rmsnorm
+from ember.ops.norm import add_rmsnorm, add_rmsnorm_reference, rmsnorm, rmsnorm_gated
 from ember.ops.pad import pad
 from ember.ops.sampling import argmax, log_softmax, sample, softmax
 
 __all__ = [
     "add_rmsnorm", "add_rmsnorm_reference", "argmax", "causal_conv1d", "dequantize_fp8", "gated_delta_rule",
-    "linear", "log_softmax", "moe", "moe_experts", "moe_route", "moe_route_hidden", "pad", "quantize_fp8", "rmsnorm", "sample", "scaled_mm",
+    "linear", "log_softmax", "moe", "moe_experts", "moe_route", "moe_route_hidden", "pad", "quantize_fp8", "rmsnorm", "rmsnorm_gated", "sample", "scaled_mm",
     "softmax",
 ]

@@ -32,15 +32,22 @@ from ember.bench import moe as moe_bench
 COPY_BW = 4.155e12
 PROMPT, STEPS, HF_NEW = 128, 128, 16
 TARGETS = {"lfm2_moe_8b_a1b": (600.0, 30.0), "qwen3_5_moe_35b_a3b": (300.0, 40.0)}
-# Opt-in kernels timed beside the default bf16 decode (environment read while capturing), per family.
+# Opt-in kernels timed beside the default bf16 decode (environment read while capturing), per family;
+# BUILD_VARIANTS change the weights' layout, so their environment is set while the net is built too.
 VARIANTS = {"qwen3_5_moe_35b_a3b": {"deltanet_fused": {"EMBER_DELTANET_FUSED": "1"}}, "lfm2_moe_8b_a1b": {}}
+BUILD_VARIANTS = {"qwen3_5_moe_35b_a3b": {
+    "shared_expert_folded": {"EMBER_FOLD_SHARED_EXPERT": "1"},
+    "folded_and_deltanet_fused": {"EMBER_FOLD_SHARED_EXPERT": "1", "EMBER_DELTANET_FUSED": "1"}}}
 
 
-def _variant_tok_s(net, ids, steps, env: dict) -> float | str:
-    """bf16 decode tok/s with ``env`` set while the graph is captured and replayed (restored after)."""
+def _variant_tok_s(net, ids, steps, env: dict, build=None) -> float | str:
+    """bf16 decode tok/s with ``env`` set while the graph is captured and replayed (restored after);
+    ``build()``, if given, makes the net under ``env`` first (and it is dropped after)."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
+        if build is not None:
+            net = build()
         return ember_decode(net, ids, steps)["tok_s"]
     except Exception as e:  # recorded, not fatal
         return repr(e)[:200]
@@ -198,6 +205,14 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
                 extra["tok_s_variants"] = {v: _variant_tok_s(net, ids, steps, env) for v, env in VARIANTS[kind].items()}
                 print(f"{name} variants (tok/s):", extra["tok_s_variants"], flush=True)
             del net
+            if not fp8 and ctx.on_gpu and BUILD_VARIANTS.get(kind):
+                torch.cuda.empty_cache()
+                variants = extra.setdefault("tok_s_variants", {})
+                for v, env in BUILD_VARIANTS[kind].items():
+                    variants[v] = _variant_tok_s(None, ids, steps, env,
+                                                 build=lambda m=hf: ember_net(m, cfg, fp8=False, max_seq_len=prompt + steps + 8))
+                    torch.cuda.empty_cache()
+                print(f"{name} build variants (tok/s):", variants, flush=True)
             if not fp8:
                 bf16 = r["tok_s"]
                 tok_target, x_target = TARGETS[kind]

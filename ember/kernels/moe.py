@@ -132,12 +132,14 @@ def _sigmoid_topk_of_row(logits_ptr, row, E, bias_ptr, scaling, TOP_K: tl.conste
 @triton.jit
 def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bias_ptr, scaling, E, H, stride_x, n_prog,
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_KK: tl.constexpr):
+                         SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
-    Routing: Qwen3's softmax top-k, or (SIGMOID) LFM2's biased sigmoid selection."""
+    Routing: Qwen3's softmax top-k, or (SIGMOID) LFM2's biased sigmoid selection. SHARED_GATE: the
+    last of the E rows is a shared expert's gate: softmax top-k over the first E - 1, then expert
+    E - 1 appended with weight sigmoid(its logit) (Qwen3.5's shared expert folded into the experts)."""
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < E
@@ -155,11 +157,17 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
         if SIGMOID:
             ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
                                            BLOCK_E, BLOCK_KK)
+        elif SHARED_GATE:
+            ws, ids = _topk_of_row(logits_ptr, t, E, E - 1, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+            gate = tl.load(logits_ptr + t * E + E - 1, volatile=True)
+            ws = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, 1.0 / (1.0 + tl.exp(-gate)), ws)
+            ids = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, E - 1, ids)
         else:
             ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
         kk = tl.arange(0, BLOCK_KK)
-        tl.store(tw_ptr + t * TOP_K + kk, ws, mask=kk < TOP_K)
-        tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kk < TOP_K)
+        n_out: tl.constexpr = TOP_K + SHARED_GATE
+        tl.store(tw_ptr + t * n_out + kk, ws, mask=kk < n_out)
+        tl.store(ids_ptr + t * n_out + kk, ids, mask=kk < n_out)
         tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
@@ -594,7 +602,8 @@ ROUTER_MAX_TOKENS = 64
 
 
 def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
-                 scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0):
+                 scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                 shared_expert_gate: bool = False):
     """Routing straight from hidden states ``x [T, H]`` and the router weight ``[E, H]``, T <= 64.
 
     One launch instead of a router GEMV (cuBLAS) plus the route kernel: at batch-1 decode each
@@ -605,8 +614,9 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     x = _rows_contiguous(x)
     T, H = x.shape
     E = router.shape[0]
-    w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    n_out = top_k + int(shared_expert_gate)
+    w = torch.empty((T, n_out), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, n_out), dtype=torch.int32, device=x.device)
     if T == 0:
         return w, ids
     if T > ROUTER_MAX_TOKENS:
@@ -622,8 +632,8 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     _router_route_kernel[(T, n_prog)](
         x, router.contiguous(), logits, arrival_counters("moe_router", x.device, T), w, ids, bias, float(scaling),
         E, H, x.stride(0), n_prog, TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
-        HAS_BIAS=expert_bias is not None, BLOCK_R=block_r, BLOCK_H=block_h,
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(top_k), num_warps=4)
+        HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), num_warps=4)
     return w, ids
 
 

@@ -15,7 +15,9 @@ the rest gated DeltaNet); every layer has a sparse MoE with a shared expert.
   q/k RMSNorm with the ``(1 + weight)`` convention; RoPE on the first ``partial_rotary_factor *
   head_dim`` dims of each head only.
 * MoE: softmax top-k (always renormalised) through ``ember.ops.moe``, plus a shared SwiGLU expert
-  scaled by ``sigmoid(shared_expert_gate(h))``.
+  scaled by ``sigmoid(shared_expert_gate(h))``. With ``EMBER_FOLD_SHARED_EXPERT=1`` at load (bf16/fp16
+  weights, shared width = expert width) the shared expert is stored as expert E and its gate as
+  router row E, so one routing launch and the two expert GEMVs do it all (``FoldedSharedMoe``).
 * Norms (input, post-attention, final, q/k): ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` in float32;
   ember stores ``1 + weight`` in float32 so its RMSNorm computes exactly that.
 
@@ -38,6 +40,7 @@ from torch import nn
 
 import ember.ops
 from ember.models import _common, _hybrid, qwen3_moe
+from ember.models.qwen3_moe import moe_ops
 
 MODEL_TYPE = "qwen3_5_moe"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -185,6 +188,46 @@ class SharedExpertMoe(nn.Module):
         return self.routed(h) + torch.sigmoid(F.linear(h, self.shared_gate)) * self.shared(h)
 
 
+class FoldedSharedMoe(nn.Module):
+    """The shared expert folded into the routed ones: expert E of ``w_gate_up`` / ``w_down`` and row E
+    of ``router`` (its gate). ``moe_route_hidden(shared_expert_gate=True)`` appends it to every token
+    with weight sigmoid(gate logit); ``moe_experts`` then runs top_k + 1 experts.
+
+    Why: at decode the unfolded block is ~11 launches (route, 2 expert GEMVs, gate GEMV, sigmoid,
+    shared gate_up, SiLU, multiply, down, multiply, add); folded it is 3. Numerics: the shared
+    expert's output joins the float32 sum over experts and its gate stays float32, where the
+    unfolded path rounds gate, product and sum to the model dtype (same value up to that rounding).
+    Opt-in (EMBER_FOLD_SHARED_EXPERT=1 at load) until timed on the GPU.
+    """
+
+    def __init__(self, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int):
+        super().__init__()
+        self.router = nn.Parameter(router, requires_grad=False)              # [E + 1, H]
+        self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=False)        # [E + 1, 2I, H]
+        self.w_down = nn.Parameter(w_down, requires_grad=False)              # [E + 1, H, I]
+        self.top_k = top_k
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])
+        w, ids = moe_ops.moe_route_hidden(x, self.router, self.top_k, renormalize=True, shared_expert_gate=True)
+        y = moe_ops.moe_experts(x, self.w_gate_up, self.w_down, w, ids, check=False)
+        return y.reshape(h.shape)
+
+
+def fold_shared_expert(moe: SharedExpertMoe) -> FoldedSharedMoe | None:
+    """The folded form of ``moe``, or None when it does not apply (FP8 weights, a shared expert of
+    another width, or linears that are not plain weights)."""
+    r, sh = moe.routed, moe.shared
+    if r.gate_up_scale is not None or type(sh.gate_up) is not _common.Linear or type(sh.down) is not _common.Linear:
+        return None
+    gu, dn = sh.gate_up.weight, sh.down.weight
+    if sh.gate_up.bias is not None or sh.down.bias is not None or gu.shape != r.w_gate_up.shape[1:] \
+            or dn.shape != r.w_down.shape[1:] or gu.dtype != r.w_gate_up.dtype:
+        return None
+    return FoldedSharedMoe(torch.cat([r.router, moe.shared_gate.to(r.router.dtype)]),
+                           torch.cat([r.w_gate_up, gu[None]]), torch.cat([r.w_down, dn[None]]), r.top_k)
+
+
 # ----------------------------------------------------------------------------- config
 def text_config(cfg: dict) -> dict:
     """The text model's config: ``text_config`` of an image-text checkpoint, else the config itself."""
@@ -295,7 +338,10 @@ def _build_moe(src: _common.TensorSource, cfg: dict, prefix: str, *, fp8: bool) 
     routed = qwen3_moe.build_moe(src, {**cfg, "norm_topk_prob": True}, prefix, fp8=fp8)
     Is = _int(cfg, "shared_expert_intermediate_size")
     shared = _common.build_dense_mlp(src, f"{prefix}.shared_expert", H, Is, fp8=fp8)
-    return SharedExpertMoe(routed, shared, src.get(f"{prefix}.shared_expert_gate.weight", (1, H)))
+    moe = SharedExpertMoe(routed, shared, src.get(f"{prefix}.shared_expert_gate.weight", (1, H)))
+    if os.environ.get("EMBER_FOLD_SHARED_EXPERT", "0") == "1":
+        return fold_shared_expert(moe) or moe
+    return moe
 
 
 def _text_names(src: _common.TensorSource) -> _common.TensorSource:

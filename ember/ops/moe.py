@@ -69,7 +69,7 @@ SCORINGS = ("softmax", "sigmoid")
 
 
 def _validate_route_hidden(x, router_weight, top_k, renormalize, scoring="softmax", expert_bias=None,
-                           scaling=1.0) -> int:
+                           scaling=1.0, shared_expert_gate=False) -> int:
     _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, ndim=2)
     _checks.tensor("router_weight", router_weight, dtypes=(x.dtype,), ndim=2)
     _checks.same_device(x=x, router_weight=router_weight)
@@ -90,6 +90,14 @@ def _validate_route_hidden(x, router_weight, top_k, renormalize, scoring="softma
         raise ValueError(f"scaling: expected a finite number > 0, got {scaling!r}")
     if scoring == "softmax" and scaling != 1.0:
         raise ValueError("scaling: only sigmoid scoring takes a routed scaling factor")
+    if not isinstance(shared_expert_gate, bool):
+        raise TypeError(f"shared_expert_gate: expected a bool, got {type(shared_expert_gate).__name__}")
+    if shared_expert_gate:
+        if scoring != "softmax":
+            raise ValueError("shared_expert_gate: only softmax scoring has a shared expert gate row")
+        if E < 2:
+            raise ValueError(f"router_weight: expected >= 2 rows (experts, then the shared expert's gate), got {E}")
+        return _validate_top_k(top_k, E - 1, renormalize, "router_weight", "router_weight.shape[0] - 1")
     return _validate_top_k(top_k, E, renormalize, "router_weight", "router_weight.shape[0]")
 
 
@@ -201,7 +209,8 @@ def _route_impl(router_logits, top_k, renormalize):
 
 
 def moe_route_hidden_reference(x, router_weight, top_k: int, renormalize: bool = True, scoring: str = "softmax",
-                               expert_bias: torch.Tensor | None = None, scaling: float = 1.0):
+                               expert_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                               shared_expert_gate: bool = False):
     """The spec of :func:`moe_route_hidden`: F.linear (logits in x.dtype), then moe_route_reference,
     or for sigmoid scoring: float32 sigmoid scores, the k largest of scores + bias (ties -> lower
     index), their unbiased scores / (sum + 1e-6) when ``renormalize``, times ``scaling``."""
@@ -213,16 +222,25 @@ def moe_route_hidden_reference(x, router_weight, top_k: int, renormalize: bool =
         if renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
         return (weights * scaling).contiguous(), ids.to(torch.int32).contiguous()
+    if shared_expert_gate:  # the last row gates a shared expert: id E - 1, weight sigmoid(logit), float32
+        logits = F.linear(x, router_weight)
+        w, ids = moe_route_reference(logits[:, :-1], top_k, renormalize)
+        gate = logits[:, -1:].float().sigmoid()
+        shared = torch.full_like(ids[:, :1], router_weight.shape[0] - 1)
+        return torch.cat([w, gate], 1).contiguous(), torch.cat([ids, shared], 1).contiguous()
     return moe_route_reference(F.linear(x, router_weight), top_k, renormalize)
 
 
-def _route_hidden_impl(x, router_weight, top_k, renormalize, scoring="softmax", expert_bias=None, scaling=1.0):
-    if not _dispatch.use_triton(x) or (scoring == "sigmoid" and x.shape[0] > 64):
-        return moe_route_hidden_reference(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
+def _route_hidden_impl(x, router_weight, top_k, renormalize, scoring="softmax", expert_bias=None, scaling=1.0,
+                       shared_expert_gate=False):
+    plain = scoring == "softmax" and not shared_expert_gate
+    if not _dispatch.use_triton(x) or (not plain and x.shape[0] > 64):
+        return moe_route_hidden_reference(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling,
+                                          shared_expert_gate)
     kmod = _dispatch.kernels("moe")
     if x.shape[0] > kmod.ROUTER_MAX_TOKENS:  # prefill: cuBLAS for the GEMM, then the route kernel
         return kmod.route(F.linear(x, router_weight), top_k, renormalize)
-    return kmod.route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
+    return kmod.route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate)
 
 
 def _experts_impl(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale):
@@ -256,14 +274,15 @@ def _(router_logits, top_k, renormalize):
 
 @torch.library.custom_op("ember::moe_route_hidden", mutates_args=())
 def _moe_route_hidden_op(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, scoring: str,
-                         expert_bias: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    w, ids = _route_hidden_impl(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
+                         expert_bias: torch.Tensor | None, scaling: float,
+                         shared_expert_gate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    w, ids = _route_hidden_impl(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate)
     return w, ids
 
 
 @_moe_route_hidden_op.register_fake
-def _(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling):
-    T = x.shape[0]
+def _(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate):
+    T, top_k = x.shape[0], top_k + int(shared_expert_gate)
     return x.new_empty((T, top_k), dtype=torch.float32), x.new_empty((T, top_k), dtype=torch.int32)
 
 
@@ -307,7 +326,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, renormalize: bool = Tr
 
 
 def moe_route_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, renormalize: bool = True,
-                     scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0):
+                     scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                     shared_expert_gate: bool = False):
     """``moe_route(F.linear(x, router_weight), top_k)``: routing from hidden states ``x [T, H]``.
 
     ``router_weight [E, H]`` has x's dtype; the logits are rounded to it (as F.linear returns them)
@@ -315,6 +335,10 @@ def moe_route_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *
     ``scoring="sigmoid"``: LFM2-MoE (sigmoid scores; the k largest of ``scores + expert_bias`` are
     chosen, the bias steering selection only; their scores divided by ``sum + 1e-6`` when
     ``renormalize``; times ``scaling``, the routed scaling factor). Ties go to the lower expert index.
+    ``shared_expert_gate=True`` (softmax only): the last row of ``router_weight`` is a shared expert's
+    gate; routing runs over the other E - 1 rows and expert E - 1 is appended to every token with
+    weight ``sigmoid(logit)`` in float32, so the outputs have ``top_k + 1`` columns (Qwen3.5's shared
+    expert folded into the routed experts).
     On CUDA, up to 64 tokens take one launch for the router GEMV and the routing together. Returns
     ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``.
 
@@ -323,11 +347,13 @@ def moe_route_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *
         >>> w, ids = ember.ops.moe_route_hidden(torch.randn(1, 64), torch.randn(8, 64), 2, scoring="sigmoid",
         ...                                     expert_bias=torch.zeros(8), scaling=2.5)
     """
-    top_k = _validate_route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
+    top_k = _validate_route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling,
+                                   shared_expert_gate)
     scaling = float(scaling)
     if _dispatch.compiling():
-        return _moe_route_hidden_op(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
-    return _route_hidden_impl(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling)
+        return _moe_route_hidden_op(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling,
+                                    shared_expert_gate)
+    return _route_hidden_impl(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate)
 
 
 def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

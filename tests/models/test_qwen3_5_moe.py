@@ -424,3 +424,46 @@ def test_gpu_fused_mixer_cuda_graph_qwen35_shapes(cuda, monkeypatch):
             exp = mixer.decode(h, None, None, None, None, ref_cache)
             assert torch.equal(out, exp)
         assert all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
+
+
+# ----------------------------------------------------------------------------- EMBER_FOLD_SHARED_EXPERT
+def test_folded_shared_expert_matches_transformers(monkeypatch, tmp_path):
+    """The shared expert stored as expert E (gate as router row E): transformers' greedy tokens, fp32."""
+    hf = build_hf("text", shared_expert_intermediate_size=32)  # = moe_intermediate_size: foldable
+    hf.save_pretrained(tmp_path)
+    monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", "1")
+    net = build_net(tmp_path, qwen3_5_moe)
+    assert all(isinstance(layer.mlp, qwen3_5_moe.FoldedSharedMoe) for layer in net.layers)
+    assert net.layers[0].mlp.w_gate_up.shape[0] == 9 and net.layers[0].mlp.router.shape[0] == 9
+    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN))
+    ref = hf_greedy(hf, prompt, NEW)
+    toks, logits = greedy(net, [prompt[0].tolist()], NEW)
+    assert toks.tolist() == ref.tolist()
+    assert close(logits, _logits(hf, torch.cat([prompt, ref], 1))[:, PROMPT_LEN - 1:-1])
+
+
+def test_fold_skipped_when_the_shared_expert_is_wider(pair, monkeypatch):
+    """shared_expert_intermediate_size 48 != 32: nothing to fold, the block stays as it is."""
+    _, _, path = pair
+    monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", "1")
+    net = build_net(path, qwen3_5_moe)
+    assert all(isinstance(layer.mlp, qwen3_5_moe.SharedExpertMoe) for layer in net.layers)
+
+
+def test_folded_shared_expert_kernels_interpreter(interpreter, monkeypatch, tmp_path):
+    """Through the Triton kernels (router with the gate row, 3 experts per token): same tokens as the
+    unfolded model, logits within fp32 summation-order differences."""
+    build_hf("text", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+             shared_expert_intermediate_size=32).save_pretrained(tmp_path)
+    nets = {}
+    for fold in ("0", "1"):
+        monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", fold)
+        nets[fold] = build_net(tmp_path, qwen3_5_moe)
+    assert isinstance(nets["1"].layers[0].mlp, qwen3_5_moe.FoldedSharedMoe)
+    prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist()]
+    torch.manual_seed(1)
+    t0, l0 = greedy(nets["0"], prompts, 4)
+    torch.manual_seed(1)
+    t1, l1 = greedy(nets["1"], prompts, 4)
+    assert torch.equal(t0, t1)
+    assert close(l1, l0, rel=1e-5)

@@ -610,3 +610,47 @@ def test_gpu_route_hidden_sigmoid_lfm2_shapes(cuda):
     logit_max = float((x.float() @ router.float().t()).abs().max())
     ulp = 2.0 ** (torch.tensor(logit_max).log2().floor().item() - 7)
     torch.testing.assert_close(w[same], w_ref[same], rtol=2 * ulp, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e,k", [(9, 2), (33, 8)])
+def test_route_hidden_shared_gate_kernel_interpreter(interpreter, dtype, e, k):
+    """The last router row gates a shared expert: appended as id e-1 with weight sigmoid(logit)."""
+    from ember.kernels import moe as kmod
+    h = 64
+    router = (torch.randn(e, h) / h ** 0.5).to(dtype)
+    for T in (1, 2):
+        x = torch.randn(T, h).to(dtype)
+        w, ids = kmod.route_hidden(x, router, k, True, shared_expert_gate=True)
+        assert w.shape == ids.shape == (T, k + 1)
+        logits = (x.double() @ router.double().t()).to(dtype)
+        w64, ids64 = float64_route(logits[:, :-1], k)
+        assert torch.equal(ids[:, :k].long(), ids64) and (ids[:, k] == e - 1).all()
+        torch.testing.assert_close(w[:, :k].double(), w64, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w[:, k].double(), logits[:, -1].double().sigmoid(), rtol=1e-5, atol=1e-6)
+        ref_w, ref_ids = moe_ops.moe_route_hidden_reference(x, router, k, True, shared_expert_gate=True)
+        assert torch.equal(ref_ids, ids) and torch.allclose(ref_w, w, rtol=1e-5, atol=1e-6)
+
+
+def test_route_hidden_shared_gate_bad_input():
+    with pytest.raises(ValueError, match="top_k"):
+        moe_ops.moe_route_hidden(torch.randn(1, 64), torch.randn(8, 64), 8, shared_expert_gate=True)  # 7 experts
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        moe_ops.moe_route_hidden(torch.randn(1, 64), torch.randn(8, 64), 2, scoring="sigmoid", shared_expert_gate=True)
+    with pytest.raises(TypeError, match="shared_expert_gate"):
+        moe_ops.moe_route_hidden(torch.randn(1, 64), torch.randn(8, 64), 2, shared_expert_gate=1)
+
+
+@pytest.mark.gpu
+def test_gpu_route_hidden_shared_gate_qwen35_shapes(cuda):
+    E_, H_, K_ = 257, 2048, 8  # Qwen3.5-35B-A3B: 256 experts + the shared expert's gate row
+    router = (torch.randn(E_, H_, device=cuda) / H_ ** 0.5).bfloat16()
+    x = torch.randn(4, H_, device=cuda).bfloat16()
+    w, ids = moe_ops.moe_route_hidden(x, router, K_, shared_expert_gate=True)
+    w_ref, ids_ref = moe_ops.moe_route_hidden_reference(x, router, K_, True, shared_expert_gate=True)
+    assert (ids[:, K_] == E_ - 1).all()
+    same = (ids == ids_ref).all(-1)
+    assert same.float().mean() >= 0.75
+    logit_max = float((x.float() @ router.float().t()).abs().max())
+    ulp = 2.0 ** (torch.tensor(logit_max).log2().floor().item() - 7)
+    torch.testing.assert_close(w[same], w_ref[same], rtol=2 * ulp, atol=1e-6)

@@ -282,7 +282,8 @@ def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
     caches = [(k[:1], v[:1]) for k, v in em_long.caches]
     prompt = long_ids[0].tolist()
     with torch.no_grad():
-        # the engine's prefill: captured per length bucket on the GPU (the first call captures)
+        # the engine's prefill: the first prompt of a length bucket runs eagerly, the second captures
+        em_long._prefill_last(0, prompt)
         t0 = time.perf_counter()
         em_long._prefill_last(0, prompt)
         sync()
@@ -294,7 +295,7 @@ def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
     return Row(f"qwen3_moe_30b_a3b_bf16_prefill{T}", "tok/s", T / t_em, T / t_hf, "HF transformers forward (default)",
                target=">= 2x HF", meets=t_hf / t_em >= 2.0,
                extra={"ember_s": t_em, "hf_s": t_hf, "ember_eager_s": t_eager,
-                      "ember_first_call_incl_capture_s": first_call_s})
+                      "ember_second_call_incl_capture_s": first_call_s})
 
 
 def _fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default):

@@ -5,10 +5,12 @@ One decode step is embedding -> every layer -> final norm -> lm_head -> ``ember.
 sampled token, positions and lengths written back into static device buffers, so a replay of the
 captured graph is the whole step and the host only reads the new tokens (one step behind the GPU,
 so the GPU never waits for Python). Prefill runs one prompt at a time into that prompt's cache row.
-On the GPU it is captured too, once per (cache row, length bucket): prompts are padded with token 0
-to a multiple of ``prefill_bucket`` tokens (the padding comes after the prompt, so causal attention
-keeps it out of the real positions; its cache entries lie past the sequence length and are
-overwritten by decoding) and the logits are read at the last real position. Why: an eager prefill
+On the GPU it is captured too, per (cache row, length bucket) from the second prompt of that
+bucket on (the first runs eagerly: a capture costs more than a dozen eager prefills, so only
+lengths that recur are captured): prompts are padded with token 0 to a multiple of
+``prefill_bucket`` tokens (the padding comes after the prompt, so causal attention keeps it out of
+the real positions; its cache entries lie past the sequence length and are overwritten by
+decoding) and the logits are read at the last real position. Why: an eager prefill
 is host-bound (H200, Qwen3-30B-A3B shapes, 2048 tokens: ~1.1 ms of GPU work per layer, ~2.2 ms of
 Python and launch time per layer). Models with recurrent state (LFM2, Qwen3.5) prefill eagerly:
 padding would run through their state. On CPU the same steps run eagerly through the reference ops.
@@ -93,6 +95,7 @@ class Model:
         # (cache row, padded length) -> (ids, last index, logits, graph); 0 or recurrent state: eager
         self.prefill_bucket = 0 if self._recurrent_state else prefill_bucket
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self._prefill_seen: set[tuple[int, int]] = set()  # (row, bucket) prefilled once, eagerly
         self._prefill_pool = None
         self.stats = Stats()
 
@@ -167,13 +170,18 @@ class Model:
         """Prefill ``prompt`` into cache row ``b``; logits [1, V] at its last position."""
         row_caches = [tuple(t[b:b + 1] for t in layer) for layer in self.caches]
         T = len(prompt)
-        if not (self.use_cuda_graph and self.prefill_bucket):
+        padded = min(-(-T // max(self.prefill_bucket, 1)) * self.prefill_bucket, self.max_seq_len)
+        key = (b, padded)
+        if not (self.use_cuda_graph and self.prefill_bucket) or (key not in self._prefill_graphs
+                                                                 and key not in self._prefill_seen):
+            # First prompt of this (row, bucket): eager. A capture costs ~1.3-3.5 s at 2048 tokens
+            # (H200), ~15-40 eager prefills, so only lengths that come back are captured.
+            self._prefill_seen.add(key)
             return self.net.prefill(torch.tensor([prompt], device=self.device), row_caches, last_only=True)
-        padded = min(-(-T // self.prefill_bucket) * self.prefill_bucket, self.max_seq_len)
-        entry = self._prefill_graphs.get((b, padded))
+        entry = self._prefill_graphs.get(key)
         if entry is None:
             t0 = time.perf_counter()
-            entry = self._prefill_graphs[(b, padded)] = self._capture_prefill(row_caches, padded)
+            entry = self._prefill_graphs[key] = self._capture_prefill(row_caches, padded)
             self.stats.warmup_s += time.perf_counter() - t0
         ids, last, logits, graph = entry
         ids.zero_()

@@ -92,7 +92,8 @@ def test_prefill_graphs_match_eager_prefill(ckpt, cuda):
     """Padded, captured prefill (per cache row and length bucket) = eager prefill, in fp32."""
     em = ember.load(ckpt, device=cuda, dtype=torch.float32, max_seq_len=200, max_batch_size=2)
     em.prefill_bucket = 64
-    for b, T in [(0, 5), (1, 17), (0, 64), (1, 65), (0, 200), (0, 7)]:  # 7 replays the (0, 64) graph
+    # the first prompt of a (row, bucket) runs eagerly, the second captures, the third replays
+    for b, T in [(0, 5), (0, 7), (0, 64), (1, 17), (1, 20), (1, 65), (1, 100), (0, 200), (0, 199)]:
         prompt = torch.randint(0, 512, (T,)).tolist()
         graph_logits = em._prefill_last(b, prompt)
         k_graph = [layer[0][b, :, :T].clone() for layer in em.caches]
@@ -102,6 +103,7 @@ def test_prefill_graphs_match_eager_prefill(ckpt, cuda):
         for kg, layer in zip(k_graph, em.caches):
             torch.testing.assert_close(kg, layer[0][b, :, :T], rtol=1e-4, atol=1e-4)
     assert set(em._prefill_graphs) == {(0, 64), (1, 64), (1, 128), (0, 200)}
+    assert em._prefill_seen == {(0, 64), (1, 64), (1, 128), (0, 200)}
     st = em.stats
     out = em.generate([prompt[:30], prompt[:3]], max_new_tokens=4)
     assert [len(o) for o in out] == [4, 4] and em.stats is not st and em.stats.warmup_s >= 0

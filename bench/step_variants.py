@@ -1,6 +1,8 @@
 """A/B of decode-step kernels on the Qwen3-30B-A3B shape (48 layers, random weights): bf16 GEMV
 tiles for the attention projections (swept first, F.linear in the same run), then the CUDA-graph
-decode step time of each variant on the same weights and prompt.
+decode step time of each variant on the same weights and prompt. (The run recorded in
+bench/results/h200/step_variants.json made the tuned tiles the default: "default" and
+"gemv_tuned_oproj" now time the same kernels.)
 
     python bench/step_variants.py OUT_JSON
 """
@@ -11,7 +13,7 @@ import sys
 import torch
 
 from ember import _dispatch
-from ember.bench import moe as moe_bench
+from ember.bench import env_vars, moe as moe_bench
 from ember.bench.linear import sweep
 import importlib
 
@@ -46,18 +48,16 @@ def main(path: str, resweep: bool = True) -> None:
         variants = {k: v for k, v in variants.items() if k in only.split(",")}
     steps = {}
     for name, (env, tune) in variants.items():
-        os.environ.update(env)
         gemv.gemv_config = tuned if tune else default_config
         linear_op.GEMV_MAX_ROW_BYTES_CUDA = 8192 if tune else default_limit
         try:
-            m = moe_bench.ember_from_hf(hf, cfg, max_seq_len=400, net=em.net)
-            moe_bench.ember_decode(m, [ids[0].tolist()], 32)
-            steps[name] = [moe_bench.graph_step_ms(m, 1) for _ in range(3)]
+            with env_vars(env):
+                m = moe_bench.ember_from_hf(hf, cfg, max_seq_len=400, net=em.net)
+                moe_bench.ember_decode(m, [ids[0].tolist()], 32)
+                steps[name] = [moe_bench.graph_step_ms(m, 1) for _ in range(3)]
         except Exception as e:
             steps[name] = repr(e)[:300]
         finally:
-            for k in env:
-                os.environ.pop(k, None)
             gemv.gemv_config, linear_op.GEMV_MAX_ROW_BYTES_CUDA = default_config, default_limit
         print(name, steps[name], flush=True)
     with open(path, "w") as f:

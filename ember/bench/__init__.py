@@ -10,16 +10,37 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
 import json
+import os
 import pkgutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from ember.bench import _timing
+
+
+@contextlib.contextmanager
+def env_vars(env: dict[str, str | None]) -> Iterator[None]:
+    """Set environment variables for the block (None removes one), then restore the old values: how
+    the suites time opt-in kernels that read their switch while a graph is captured."""
+    def put(values: dict[str, str | None]) -> None:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    old = {k: os.environ.get(k) for k in env}
+    try:
+        put(env)
+        yield
+    finally:
+        put(old)
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ember.bench import BenchContext, Row, _timing
+from ember.bench import BenchContext, Row, _timing, env_vars
 
 COPY_BW = 4.155e12
 PROMPT, NEW = 128, 256
@@ -169,21 +169,14 @@ def step_variants(hf, cfg, em, ids, max_seq_len) -> dict:
     the same prompt and 32 generated tokens, captured with the variant's environment."""
     out = {}
     for name, env in STEP_VARIANTS.items():
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         try:
-            m = ember_from_hf(hf, cfg, max_seq_len=max_seq_len, net=em.net)
-            ember_decode(m, [ids[0].tolist()], 32)
-            out[name] = graph_step_ms(m, 1)
+            with env_vars(env):
+                m = ember_from_hf(hf, cfg, max_seq_len=max_seq_len, net=em.net)
+                ember_decode(m, [ids[0].tolist()], 32)
+                out[name] = graph_step_ms(m, 1)
         except Exception as e:  # recorded, not fatal
             out[name] = repr(e)[:200]
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            m = None
+        m = None
     print("decode step variants (ms):", out, flush=True)
     return out
 

@@ -21,12 +21,11 @@ not timed here (the device-time budget of the run does not cover its minutes of 
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
-from ember.bench import BenchContext, Row
+from ember.bench import BenchContext, Row, env_vars
 from ember.bench import moe as moe_bench
 
 COPY_BW = 4.155e12
@@ -43,20 +42,13 @@ BUILD_VARIANTS = {"qwen3_5_moe_35b_a3b": {
 def _variant_tok_s(net, ids, steps, env: dict, build=None) -> float | str:
     """bf16 decode tok/s with ``env`` set while the graph is captured and replayed (restored after);
     ``build()``, if given, makes the net under ``env`` first (and it is dropped after)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        if build is not None:
-            net = build()
-        return ember_decode(net, ids, steps)["tok_s"]
+        with env_vars(env):
+            if build is not None:
+                net = build()
+            return ember_decode(net, ids, steps)["tok_s"]
     except Exception as e:  # recorded, not fatal
         return repr(e)[:200]
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def make_hf(kind: str, quick: bool, device):

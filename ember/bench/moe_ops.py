@@ -24,16 +24,14 @@ a 2048-token prefill; the winners are GPU_CONFIG in ember/kernels/moe.py.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
-from ember.bench import BenchContext, Row, _timing
+from ember.bench import BenchContext, Row, _timing, env_vars
 
 COPY_BW_GBPS = 4155.0
 E, K, H, I = 128, 8, 2048, 768
@@ -104,21 +102,9 @@ def _quantize_blocks(w):
     return (w.float() / _expand(s, w.shape)).to(FP8), s
 
 
-@contextlib.contextmanager
 def t1_kernels(spec: str | None):
     """Run the block with ``EMBER_MOE_T1=spec`` (None: the configured default); restores the old value."""
-    old = os.environ.get("EMBER_MOE_T1")
-    if spec is None:
-        os.environ.pop("EMBER_MOE_T1", None)
-    else:
-        os.environ["EMBER_MOE_T1"] = spec
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("EMBER_MOE_T1", None)
-        else:
-            os.environ["EMBER_MOE_T1"] = old
+    return env_vars({"EMBER_MOE_T1": spec})
 
 
 def _distinct_experts(logits_list, top_k):

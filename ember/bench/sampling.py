@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 import ember
-from ember.bench import BenchContext, Row, _timing
+from ember.bench import BenchContext, Row, _timing, env_vars
 
 COPY_BW_GBPS = 4155.0
 VOCAB = 128256
@@ -112,23 +112,15 @@ def run(ctx: BenchContext) -> list[Row]:
 def sweep(path: str | None = None) -> dict:
     """Graph-timed [1, 128256] fp32 softmax / argmax / sample per EMBER_SAMPLING_MIN_CHUNK (on the GPU)."""
     import json
-    import os
     dev = torch.device("cuda")
     xs = [torch.randn(1, 128256, device=dev) * 3 for _ in range(8)]
     ops = {"softmax": lambda x: ember.ops.softmax(x), "argmax": lambda x: ember.ops.argmax(x),
            "sample_k50_p0.9": lambda x: ember.ops.sample(x, temperature=0.7, top_k=50, top_p=0.9, seed=1, check=False)}
     results = {}
-    old = os.environ.get("EMBER_SAMPLING_MIN_CHUNK")
-    try:
-        for chunk in (1024, 2048, 4096, 8192):
-            os.environ["EMBER_SAMPLING_MIN_CHUNK"] = str(chunk)
+    for chunk in (1024, 2048, 4096, 8192):
+        with env_vars({"EMBER_SAMPLING_MIN_CHUNK": str(chunk)}):
             results[chunk] = {name: _timing.graph_time_us([lambda x=x, f=f: f(x) for x in xs]) for name, f in ops.items()}
-            print(chunk, {k: round(v, 2) for k, v in results[chunk].items()}, flush=True)
-    finally:
-        if old is None:
-            os.environ.pop("EMBER_SAMPLING_MIN_CHUNK", None)
-        else:
-            os.environ["EMBER_SAMPLING_MIN_CHUNK"] = old
+        print(chunk, {k: round(v, 2) for k, v in results[chunk].items()}, flush=True)
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

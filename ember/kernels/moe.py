@@ -67,6 +67,26 @@ DECODE_MAX_TOKENS = 16
 
 # ============================================================================ routing
 @triton.jit
+def _select_topk(choose, values, offs, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr,
+                 GATHER: tl.constexpr):
+    """The TOP_K largest entries of ``choose`` (ties -> lower index): (their ``values``, their indices).
+    GATHER=False: ``values`` is ``choose`` itself, so each pick's value is its max (no extra reduction)."""
+    kk = tl.arange(0, BLOCK_KK)
+    ids = tl.zeros([BLOCK_KK], dtype=tl.int32)
+    ws = tl.zeros([BLOCK_KK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choose, axis=0)
+        idx = tl.min(tl.where(choose == best, offs, BLOCK_E), axis=0)
+        ids = tl.where(kk == j, idx, ids)
+        if GATHER:
+            ws = tl.where(kk == j, tl.sum(tl.where(offs == idx, values, 0.0), axis=0), ws)
+        else:
+            ws = tl.where(kk == j, best, ws)
+        choose = tl.where(offs == idx, float("-inf"), choose)
+    return ws, ids
+
+
+@triton.jit
 def _topk_of_row(logits_ptr, row, stride_row, E, TOP_K: tl.constexpr, RENORM: tl.constexpr,
                  BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, VOLATILE: tl.constexpr = False):
     """float32 softmax over E logits, then the TOP_K largest (ties -> lower index), renormalised.
@@ -77,15 +97,7 @@ def _topk_of_row(logits_ptr, row, stride_row, E, TOP_K: tl.constexpr, RENORM: tl
                      volatile=VOLATILE).to(tl.float32)
     ex = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(in_range, ex / tl.sum(ex, axis=0), -1.0)  # padding lanes are never picked
-    kk = tl.arange(0, BLOCK_KK)
-    ids = tl.zeros([BLOCK_KK], dtype=tl.int32)
-    ws = tl.zeros([BLOCK_KK], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
-        ids = tl.where(kk == j, idx, ids)
-        ws = tl.where(kk == j, best, ws)
-        p = tl.where(offs == idx, -2.0, p)
+    ws, ids = _select_topk(p, p, offs, TOP_K, BLOCK_E, BLOCK_KK, GATHER=False)
     if RENORM:
         ws = ws / tl.sum(ws, axis=0)
     return ws, ids
@@ -115,15 +127,7 @@ def _sigmoid_topk_of_row(logits_ptr, row, E, bias_ptr, scaling, TOP_K: tl.conste
     if HAS_BIAS:
         choose = choose + tl.load(bias_ptr + offs, mask=in_range, other=0.0)
     choose = tl.where(in_range, choose, float("-inf"))
-    kk = tl.arange(0, BLOCK_KK)
-    ids = tl.zeros([BLOCK_KK], dtype=tl.int32)
-    ws = tl.zeros([BLOCK_KK], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(choose, axis=0)
-        idx = tl.min(tl.where(choose == best, offs, BLOCK_E), axis=0)
-        ids = tl.where(kk == j, idx, ids)
-        ws = tl.where(kk == j, tl.sum(tl.where(offs == idx, scores, 0.0), axis=0), ws)
-        choose = tl.where(offs == idx, float("-inf"), choose)
+    ws, ids = _select_topk(choose, scores, offs, TOP_K, BLOCK_E, BLOCK_KK, GATHER=True)
     if RENORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-6)
     return ws * scaling, ids

@@ -1,3 +1,4 @@
+import os
 import json
 
 import pytest
@@ -55,3 +56,18 @@ def test_cli_names_a_missing_baseline_package(monkeypatch, capsys):
     assert cli.main(["bench", "norm", "--quick"]) == 2
     err = capsys.readouterr().err
     assert "'transformers'" in err and "ember[bench]" in err
+
+
+def test_env_vars_sets_removes_and_restores(monkeypatch):
+    from ember.bench import env_vars
+    monkeypatch.setenv("EMBER_TEST_A", "1")
+    monkeypatch.delenv("EMBER_TEST_B", raising=False)
+    with env_vars({"EMBER_TEST_A": None, "EMBER_TEST_B": "2"}):
+        assert "EMBER_TEST_A" not in os.environ and os.environ["EMBER_TEST_B"] == "2"
+    assert os.environ["EMBER_TEST_A"] == "1" and "EMBER_TEST_B" not in os.environ
+    try:
+        with env_vars({"EMBER_TEST_A": "3"}):
+            raise RuntimeError
+    except RuntimeError:
+        pass
+    assert os.environ["EMBER_TEST_A"] == "1"  # restored after an exception too

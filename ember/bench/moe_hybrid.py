@@ -33,7 +33,8 @@ PROMPT, STEPS, HF_NEW = 128, 128, 16
 TARGETS = {"lfm2_moe_8b_a1b": (600.0, 30.0), "qwen3_5_moe_35b_a3b": (300.0, 40.0)}
 # Opt-in kernels timed beside the default bf16 decode (environment read while capturing), per family;
 # BUILD_VARIANTS change the weights' layout, so their environment is set while the net is built too.
-VARIANTS = {"qwen3_5_moe_35b_a3b": {"deltanet_fused": {"EMBER_DELTANET_FUSED": "1"}}, "lfm2_moe_8b_a1b": {}}
+VARIANTS = {"qwen3_5_moe_35b_a3b": {"deltanet_fused": {"EMBER_DELTANET_FUSED": "1"}},
+            "lfm2_moe_8b_a1b": {"conv_fused": {"EMBER_LFM2_CONV_FUSED": "1"}}}
 BUILD_VARIANTS = {"qwen3_5_moe_35b_a3b": {
     "shared_expert_folded": {"EMBER_FOLD_SHARED_EXPERT": "1"},
     "folded_and_deltanet_fused": {"EMBER_FOLD_SHARED_EXPERT": "1", "EMBER_DELTANET_FUSED": "1"}}}

@@ -182,3 +182,63 @@ def test_gpu_channels_last_equals_default(cuda, B, T):
     y = ember.ops.causal_conv1d(x, w, conv_state=s1, activation="silu", channels_last=True)
     assert _is_channels_last(y)
     assert torch.equal(y, ember.ops.causal_conv1d(x, w, conv_state=s2, activation="silu")) and torch.equal(s1, s2)
+
+
+# ----------------------------------------------------------------------------- gated (LFM2's short conv)
+def _lfm2_gates(B, C, T, dtype, device="cpu"):
+    """b, c, x as LFM2 makes them: [B, C, T] views of one [B, T, 3C] projection (stride 3C along C... T)."""
+    proj = torch.randn(B, T, 3 * C, device=device).to(dtype)
+    b, c, x = proj.chunk(3, dim=-1)
+    return b.transpose(1, 2), c.transpose(1, 2), x.transpose(1, 2)
+
+
+def _unfused(x, w, bias, state, b, c):
+    """The three ops the gated call replaces, through the same conv (kernel or reference)."""
+    return c * ember.ops.causal_conv1d(b * x, w, bias, conv_state=state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 9, 70])
+def test_gated_kernel_equals_three_torch_ops_interpreter(interpreter, dtype, T):
+    B, C, K = 2, 40, 3
+    b, c, x = _lfm2_gates(B, C, T, dtype)
+    w = torch.randn(C, K).to(dtype)
+    bias = torch.randn(C).to(dtype)
+    state = torch.randn(B, C, K - 1).to(dtype)
+    state_ref = state.clone()
+    y = ember.ops.causal_conv1d(x, w, bias, conv_state=state, gate_in=b, gate_out=c)
+    assert torch.equal(y, _unfused(x, w, bias, state_ref, b, c))  # same roundings, same sums: bit-exact
+    assert torch.equal(state, state_ref)  # the state keeps the gated inputs b * x
+    y_cl = ember.ops.causal_conv1d(x, w, bias, conv_state=state.clone(), gate_in=b, gate_out=c, channels_last=True)
+    y2 = ember.ops.causal_conv1d(x, w, bias, conv_state=state_ref.clone(), gate_in=b, gate_out=c)
+    assert torch.equal(y_cl, y2) and y_cl.transpose(1, 2).is_contiguous()
+
+
+def test_gated_reference_path_equals_three_torch_ops():
+    b, c, x = _lfm2_gates(1, 8, 5, torch.bfloat16)
+    w = torch.randn(8, 4).bfloat16()
+    s1, s2 = torch.zeros(1, 8, 3).bfloat16(), torch.zeros(1, 8, 3).bfloat16()
+    y = ember.ops.causal_conv1d(x, w, conv_state=s1, gate_in=b, gate_out=c)
+    assert torch.equal(y, _unfused(x, w, None, s2, b, c)) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(gate_in=torch.randn(1, 8, 4)), "gate_in"),
+    (dict(gate_out=torch.randn(1, 8, 5).double()), "gate_out"),
+    (dict(gate_out=torch.randn(8, 5)), "gate_out"),
+])
+def test_gated_bad_input(kw, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        ember.ops.causal_conv1d(torch.randn(1, 8, 5), torch.randn(8, 3), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 128])
+def test_gpu_gated_lfm2_shapes(cuda, T):
+    B, C, K = 1, 2048, 3  # LFM2-8B-A1B: hidden 2048, conv_L_cache 3
+    b, c, x = _lfm2_gates(B, C, T, torch.bfloat16, cuda)
+    w = torch.randn(C, K, device=cuda).bfloat16()
+    state = torch.randn(B, C, K - 1, device=cuda).bfloat16()
+    state_ref = state.clone()
+    y = ember.ops.causal_conv1d(x, w, conv_state=state, gate_in=b, gate_out=c)
+    assert torch.equal(y, _unfused(x, w, None, state_ref, b, c)) and torch.equal(state, state_ref)

@@ -15,9 +15,6 @@ import torch
 from ember import _dispatch
 from ember.bench import env_vars, moe as moe_bench
 from ember.bench.linear import sweep
-import importlib
-
-linear_op = importlib.import_module("ember.ops.linear")  # the module (ember.ops.linear is the function)
 # H200 sweep (this script, first run): o_proj 2048x4096 best (8, 4, 256, 4) 7.17 us (F.linear 9.7,
 # default rule (8, 1, 256, 4) slower than F.linear); qkv 5120x2048 best (16, 2, 256, 8) 7.12 us
 MEASURED_BEST = {(2048, 4096): (8, 4, 256, 4), (5120, 2048): (16, 2, 256, 8)}
@@ -36,7 +33,7 @@ def main(path: str, resweep: bool = True) -> None:
     em = moe_bench.ember_from_hf(hf, cfg, max_seq_len=400)
     ids = torch.randint(100, 1000, (1, 128))
     default_config = gemv.gemv_config
-    default_limit = linear_op.GEMV_MAX_ROW_BYTES_CUDA
+    default_limit = gemv.MAX_ROW_BYTES_UNSWEPT
 
     def tuned(N, K, elsize, k_blocked=False):
         return dict(best[(N, K)]) if (N, K) in best and elsize == 2 and not k_blocked else default_config(N, K, elsize, k_blocked)
@@ -49,7 +46,7 @@ def main(path: str, resweep: bool = True) -> None:
     steps = {}
     for name, (env, tune) in variants.items():
         gemv.gemv_config = tuned if tune else default_config
-        linear_op.GEMV_MAX_ROW_BYTES_CUDA = 8192 if tune else default_limit
+        gemv.MAX_ROW_BYTES_UNSWEPT = 8192 if tune else default_limit
         try:
             with env_vars(env):
                 m = moe_bench.ember_from_hf(hf, cfg, max_seq_len=400, net=em.net)
@@ -58,7 +55,7 @@ def main(path: str, resweep: bool = True) -> None:
         except Exception as e:
             steps[name] = repr(e)[:300]
         finally:
-            gemv.gemv_config, linear_op.GEMV_MAX_ROW_BYTES_CUDA = default_config, default_limit
+            gemv.gemv_config, gemv.MAX_ROW_BYTES_UNSWEPT = default_config, default_limit
         print(name, steps[name], flush=True)
     with open(path, "w") as f:
         json.dump({"gemv_sweep": tables, "best": {f"{n}x{k}": c for (n, k), c in best.items()},

@@ -97,6 +97,17 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
 # rule's (8, 1, 4) 16.0 us. 5120 x 2048 (qkv): 7.12 us vs F.linear 8.20 (linear suite). The decode
 # step with both (bench/step_variants.py, same weights): 2.924 ms vs 3.080 ms.
 MEASURED_2BYTE = {(2048, 4096): (8, 4, 4), (5120, 2048): (16, 2, 8)}
+# Unscaled weights on CUDA: the GEMV takes rows of at most this many bytes with the byte rule below,
+# and the swept shapes above. H200, bf16, M=1, graph-timed against F.linear in the same run (ember bench
+# linear): K=2048 wins (N=5120: 7.11 vs 8.20 us; N=151936: 136.6 vs 143.9 us), K=4096 and 8192 lose
+# with the rule (N=2048: 16.0 vs 9.7 us; N=8192: 39.4 vs 34.0 us).
+MAX_ROW_BYTES_UNSWEPT = 4096
+
+
+def beats_cublas(N: int, K: int, elsize: int) -> bool:
+    """Whether this GEMV measured (or is expected by its measured neighbours) faster than cuBLAS for an
+    unscaled N x K weight at M=1 on CUDA: the ops route every other shape to F.linear."""
+    return K * elsize <= MAX_ROW_BYTES_UNSWEPT or (elsize == 2 and (N, K) in MEASURED_2BYTE)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -42,22 +42,12 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
-# On CUDA the GEMV takes weight rows of at most this many bytes. H200, bf16, M=1, graph-timed against
-# F.linear in the same run (ember bench linear): K=2048 wins (N=5120: 7.11 vs 8.20 us; N=151936: 136.6
-# vs 143.9 us), K=4096 and 8192 lose (N=2048: 16.0 vs 9.7 us; N=8192: 39.4 vs 34.0 us) with the
-# config rule tuned on fp8 rows; longer rows stay on cuBLAS unless their shape was swept
-# (ember.kernels.gemv.MEASURED_2BYTE: the o_proj shape 2048 x 4096 runs 7.17 us with its own tiles,
-# against 9.66 us for F.linear; see there).
-GEMV_MAX_ROW_BYTES_CUDA = 4096
-
-
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One row of x, a K-contiguous weight, a non-empty product, the Triton path on x's device, and
-    (on CUDA) rows short enough to have measured faster than cuBLAS."""
+    (on CUDA) a shape where the GEMV measured faster than cuBLAS (``ember.kernels.gemv.beats_cublas``)."""
     N, K = weight.shape
     return (K > 0 and N > 0 and x.numel() == K and weight.stride(1) == 1 and _dispatch.use_triton(x)
-            and (x.device.type != "cuda" or K * weight.element_size() <= GEMV_MAX_ROW_BYTES_CUDA
-                 or (weight.element_size() == 2 and (N, K) in _dispatch.kernels("gemv").MEASURED_2BYTE)))
+            and (x.device.type != "cuda" or _dispatch.kernels("gemv").beats_cublas(N, K, weight.element_size())))
 
 
 @torch.library.custom_op("ember::linear_gemv", mutates_args=())

@@ -119,6 +119,14 @@ def test_gemv_config_rule():
     assert cfg(100, 7, 2) == dict(GEMV=True, BLOCK_N=128, CHUNKS=1, KW=8, num_warps=4)
 
 
+def test_gemv_takes_only_shapes_that_beat_cublas():
+    k = _dispatch.kernels("gemv")
+    assert k.beats_cublas(5120, 2048, 2) and k.beats_cublas(151936, 2048, 2)  # 4 KB rows: measured wins
+    assert k.beats_cublas(2048, 4096, 2)  # 8 KB rows, but swept with its own tiles
+    assert not k.beats_cublas(8192, 8192, 2) and not k.beats_cublas(4096, 4096, 2)  # measured / unswept losses
+    assert not k.beats_cublas(2048, 4096, 4)  # fp32 rows of 16 KB
+
+
 # ------------------------------------------------------------------ dispatch
 def test_dispatch_gemv_only_for_one_row_and_k_contiguous_weight(interpreter, monkeypatch):
     calls = gemv_calls(monkeypatch)

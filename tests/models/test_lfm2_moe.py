@@ -89,6 +89,49 @@ def close(got, ref, rel=1e-4):
     return (got - ref).abs().max().item() <= rel * scale
 
 
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def assert_forward_matches_hf(hf, net, vocab):
+    """The cache-free forward of two 13-token rows equals transformers' (fp32 logits)."""
+    ids = torch.randint(0, vocab, (2, 13))
+    ref = hf_logits(hf, ids)
+    with torch.no_grad():
+        got = net.prefill(ids)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert close(got, ref)
+
+
+def assert_greedy_matches_hf(hf, net, vocab, new=NEW):
+    """Greedy decode through the caches: transformers' generate tokens, and every step's logits against
+    transformers' full forward over the generated sequence."""
+    prompt = torch.randint(0, vocab, (1, PROMPT_LEN), device=next(hf.parameters()).device)
+    ref = hf_greedy(hf, prompt, new)
+    toks, logits = greedy(net, [prompt[0].tolist()], new)
+    assert toks.tolist() == ref.tolist()
+    assert close(logits, hf_logits(hf, torch.cat([prompt, ref], 1))[:, PROMPT_LEN - 1:-1])
+
+
+def assert_two_lengths_match_hf(hf, net, vocab):
+    """Two prompts of different lengths decoded together give each one's own transformers tokens."""
+    a, b = torch.randint(0, vocab, (1, 5)), torch.randint(0, vocab, (1, 12))
+    toks, _ = greedy(net, [a[0].tolist(), b[0].tolist()], 10)
+    assert toks.tolist() == [hf_greedy(hf, a, 10)[0].tolist(), hf_greedy(hf, b, 10)[0].tolist()]
+
+
+def greedy_per_env(net, monkeypatch, var, prompts, new):
+    """greedy() with ``var`` = "0" and "1" from the same seed (allocate() poisons the caches):
+    ((tokens, logits) with 0, (tokens, logits) with 1)."""
+    out = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv(var, value)
+        torch.manual_seed(1)
+        out[value] = greedy(net, prompts, new)
+    return out["0"], out["1"]
+
+
 def fake_quantized(model):
     """A copy of a transformers model whose weights ember quantises with --fp8 (every projection and
     expert, per output row) are replaced by dequant(quant(w)); routers, shared-expert gate, convs,
@@ -145,30 +188,17 @@ def pair(request, tmp_path_factory):
 
 def test_cache_free_forward_matches_transformers(pair):
     hf, net, _ = pair
-    ids = torch.randint(0, VOCAB, (2, 13))
-    with torch.no_grad():
-        ref = hf(ids).logits
-        got = net.prefill(ids)
-    assert got.shape == ref.shape and got.dtype == torch.float32
-    assert close(got, ref)
+    assert_forward_matches_hf(hf, net, VOCAB)
 
 
 def test_greedy_decode_matches_transformers_generate(pair):
     hf, net, _ = pair
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN))
-    ref = hf_greedy(hf, prompt, NEW)
-    toks, logits = greedy(net, [prompt[0].tolist()], NEW)
-    assert toks.tolist() == ref.tolist()
-    with torch.no_grad():  # every cached step's logits against transformers' full forward
-        ref_logits = hf(torch.cat([prompt, ref], 1)).logits[:, PROMPT_LEN - 1:-1]
-    assert close(logits, ref_logits)
+    assert_greedy_matches_hf(hf, net, VOCAB)
 
 
 def test_batch_of_two_different_lengths(pair):
     hf, net, _ = pair
-    a, b = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 12))
-    toks, _ = greedy(net, [a[0].tolist(), b[0].tolist()], 10)
-    assert toks.tolist() == [hf_greedy(hf, a, 10)[0].tolist(), hf_greedy(hf, b, 10)[0].tolist()]
+    assert_two_lengths_match_hf(hf, net, VOCAB)
 
 
 def test_fp8_matches_transformers_with_the_same_quantised_weights(pair):
@@ -254,13 +284,7 @@ def test_triton_kernels_via_interpreter(interpreter, tmp_path):
     """The GPU code path (conv, attention, MoE kernels) through Triton's interpreter on CPU."""
     hf = build_hf(lfm2_config())
     hf.save_pretrained(tmp_path)
-    net = build_net(tmp_path, lfm2_moe)
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN))
-    ref = hf_greedy(hf, prompt, 8)
-    toks, logits = greedy(net, [prompt[0].tolist()], 8)
-    assert toks.tolist() == ref.tolist()
-    with torch.no_grad():
-        assert close(logits, hf(torch.cat([prompt, ref], 1)).logits[:, PROMPT_LEN - 1:-1])
+    assert_greedy_matches_hf(hf, build_net(tmp_path, lfm2_moe), VOCAB, new=8)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -270,21 +294,14 @@ def test_conv_fused_equals_unfused_interpreter(interpreter, monkeypatch, tmp_pat
     build_hf(lfm2_config()).save_pretrained(tmp_path)
     net = build_net(tmp_path, lfm2_moe, dtype=dtype)
     prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist(), torch.randint(0, VOCAB, (4,)).tolist()]
-    out = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("EMBER_LFM2_CONV_FUSED", fused)
-        torch.manual_seed(1)
-        out[fused] = greedy(net, prompts, 3)
-    assert torch.equal(out["0"][0], out["1"][0]) and torch.equal(out["0"][1], out["1"][1])
+    (t0, l0), (t1, l1) = greedy_per_env(net, monkeypatch, "EMBER_LFM2_CONV_FUSED", prompts, 3)
+    assert torch.equal(t0, t1) and torch.equal(l0, l1)
 
 
 def test_conv_fused_reference_path_matches_transformers(pair, monkeypatch):
     hf, net, _ = pair
     monkeypatch.setenv("EMBER_LFM2_CONV_FUSED", "1")
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN))
-    ref = hf_greedy(hf, prompt, 8)
-    toks, _ = greedy(net, [prompt[0].tolist()], 8)
-    assert toks.tolist() == ref.tolist()
+    assert_greedy_matches_hf(hf, net, VOCAB, new=8)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -360,11 +377,5 @@ def test_gpu_kernels_match_transformers_fp32(cuda, tmp_path):
     hf = build_hf(lfm2_config())
     hf.save_pretrained(tmp_path)
     net = build_net(tmp_path, lfm2_moe, device=cuda)
-    hf = hf.to(cuda)
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), device=cuda)
-    ref = hf_greedy(hf, prompt, NEW)
-    toks, logits = greedy(net, [prompt[0].tolist()], NEW)
-    assert toks.tolist() == ref.tolist()
-    with torch.no_grad():
-        ref_logits = hf(torch.cat([prompt, ref], 1)).logits[:, PROMPT_LEN - 1:-1]
-    assert close(logits, ref_logits)  # fp32 kernels use IEEE dots; transformers runs without TF32
+    # fp32 kernels use IEEE dots; transformers runs without TF32
+    assert_greedy_matches_hf(hf.to(cuda), net, VOCAB)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from ember.models import _common, qwen3_5_moe
-from tests.models.test_lfm2_moe import (NEW, PROMPT_LEN, allocate, build_net, close, fake_quantized,
-                                        graph_decode_matches_eager, greedy, hf_greedy, randomize)
+from tests.models.test_lfm2_moe import (NEW, PROMPT_LEN, allocate, assert_forward_matches_hf, assert_greedy_matches_hf,
+                                        assert_two_lengths_match_hf, build_net, close, fake_quantized,
+                                        graph_decode_matches_eager, greedy, greedy_per_env, hf_logits, randomize)
 
 VOCAB = 96
 
@@ -57,11 +58,6 @@ def pair(request, tmp_path_factory):
     return hf, build_net(path, qwen3_5_moe), path
 
 
-def _logits(hf, ids):
-    with torch.no_grad():
-        return hf(input_ids=ids).logits
-
-
 def test_checkpoint_layout(pair):
     hf, net, path = pair
     from safetensors import safe_open
@@ -73,29 +69,17 @@ def test_checkpoint_layout(pair):
 
 def test_cache_free_forward_matches_transformers(pair):
     hf, net, _ = pair
-    ids = torch.randint(0, VOCAB, (2, 13))
-    ref = _logits(hf, ids)
-    with torch.no_grad():
-        got = net.prefill(ids)
-    assert got.shape == ref.shape and got.dtype == torch.float32
-    assert close(got, ref)
+    assert_forward_matches_hf(hf, net, VOCAB)
 
 
 def test_greedy_decode_matches_transformers_generate(pair):
     hf, net, _ = pair
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN))
-    ref = hf_greedy(hf, prompt, NEW)
-    toks, logits = greedy(net, [prompt[0].tolist()], NEW)
-    assert toks.tolist() == ref.tolist()
-    ref_logits = _logits(hf, torch.cat([prompt, ref], 1))[:, PROMPT_LEN - 1:-1]
-    assert close(logits, ref_logits)
+    assert_greedy_matches_hf(hf, net, VOCAB)
 
 
 def test_batch_of_two_different_lengths(pair):
     hf, net, _ = pair
-    a, b = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 12))
-    toks, _ = greedy(net, [a[0].tolist(), b[0].tolist()], 10)
-    assert toks.tolist() == [hf_greedy(hf, a, 10)[0].tolist(), hf_greedy(hf, b, 10)[0].tolist()]
+    assert_two_lengths_match_hf(hf, net, VOCAB)
 
 
 def test_fp8_matches_transformers_with_the_same_quantised_weights(pair):
@@ -105,7 +89,7 @@ def test_fp8_matches_transformers_with_the_same_quantised_weights(pair):
     hf, _, path = pair
     net = build_net(path, qwen3_5_moe, fp8=True)
     ids = torch.randint(0, VOCAB, (2, 13))
-    ref = _logits(fake_quantized(hf), ids)
+    ref = hf_logits(fake_quantized(hf), ids)
     with torch.no_grad():
         got = net.prefill(ids)
     assert close(got, ref)
@@ -218,23 +202,13 @@ def test_triton_kernels_via_interpreter(interpreter, tmp_path):
     """The GPU code path (conv, delta rule, attention, MoE kernels) through Triton's interpreter on CPU."""
     hf = build_hf("text")
     hf.save_pretrained(tmp_path)
-    net = build_net(tmp_path, qwen3_5_moe)
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN))
-    ref = hf_greedy(hf, prompt, 8)
-    toks, logits = greedy(net, [prompt[0].tolist()], 8)
-    assert toks.tolist() == ref.tolist()
-    assert close(logits, _logits(hf, torch.cat([prompt, ref], 1))[:, PROMPT_LEN - 1:-1])
+    assert_greedy_matches_hf(hf, build_net(tmp_path, qwen3_5_moe), VOCAB, new=8)
 
 
 # ----------------------------------------------------------------------------- EMBER_DELTANET_FUSED
 def _greedy_both_paths(net, monkeypatch, prompts, new):
-    """greedy() with EMBER_DELTANET_FUSED=0 and =1 from the same seed (allocate() poisons caches)."""
-    out = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("EMBER_DELTANET_FUSED", fused)
-        torch.manual_seed(1)
-        out[fused] = greedy(net, prompts, new)
-    return out["0"], out["1"]
+    """greedy() with EMBER_DELTANET_FUSED=0 and =1 from the same seed."""
+    return greedy_per_env(net, monkeypatch, "EMBER_DELTANET_FUSED", prompts, new)
 
 
 def test_fused_reference_path_is_identical(pair, monkeypatch):
@@ -343,13 +317,7 @@ def test_gpu_kernels_match_transformers_fp32(cuda, tmp_path):
     hf = build_hf("text")
     hf.save_pretrained(tmp_path)
     net = build_net(tmp_path, qwen3_5_moe, device=cuda)
-    hf = hf.to(cuda)
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), device=cuda)
-    ref = hf_greedy(hf, prompt, NEW)
-    toks, logits = greedy(net, [prompt[0].tolist()], NEW)
-    assert toks.tolist() == ref.tolist()
-    ref_logits = _logits(hf, torch.cat([prompt, ref], 1))[:, PROMPT_LEN - 1:-1]
-    assert close(logits, ref_logits)
+    assert_greedy_matches_hf(hf.to(cuda), net, VOCAB)
 
 
 @pytest.mark.gpu
@@ -435,11 +403,7 @@ def test_folded_shared_expert_matches_transformers(monkeypatch, tmp_path):
     net = build_net(tmp_path, qwen3_5_moe)
     assert all(isinstance(layer.mlp, qwen3_5_moe.FoldedSharedMoe) for layer in net.layers)
     assert net.layers[0].mlp.w_gate_up.shape[0] == 9 and net.layers[0].mlp.router.shape[0] == 9
-    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN))
-    ref = hf_greedy(hf, prompt, NEW)
-    toks, logits = greedy(net, [prompt[0].tolist()], NEW)
-    assert toks.tolist() == ref.tolist()
-    assert close(logits, _logits(hf, torch.cat([prompt, ref], 1))[:, PROMPT_LEN - 1:-1])
+    assert_greedy_matches_hf(hf, net, VOCAB)
 
 
 def test_fold_skipped_when_the_shared_expert_is_wider(pair, monkeypatch):
@@ -461,9 +425,10 @@ def test_folded_shared_expert_kernels_interpreter(interpreter, monkeypatch, tmp_
         nets[fold] = build_net(tmp_path, qwen3_5_moe)
     assert isinstance(nets["1"].layers[0].mlp, qwen3_5_moe.FoldedSharedMoe)
     prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist()]
-    torch.manual_seed(1)
-    t0, l0 = greedy(nets["0"], prompts, 4)
-    torch.manual_seed(1)
-    t1, l1 = greedy(nets["1"], prompts, 4)
+    out = []
+    for f in ("0", "1"):
+        torch.manual_seed(1)  # allocate() poisons the caches from the global generator
+        out.append(greedy(nets[f], prompts, 4))
+    (t0, l0), (t1, l1) = out
     assert torch.equal(t0, t1)
     assert close(l1, l0, rel=1e-5)

@@ -151,20 +151,23 @@ def test_missing_and_extra_tensors(moe, tmp_path):
         ember.load(p)
 
 
-def test_corrupt_safetensors(moe, tmp_path):
-    _, path = moe
+def _config_and_one_file(path, tmp_path, name: str, data: bytes):
+    """A checkpoint dir with ``path``'s config.json and one weights file holding ``data``."""
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    (tmp_path / name).write_bytes(data)
+    return tmp_path
+
+
+def test_corrupt_safetensors(moe, tmp_path):
+    ckpt = _config_and_one_file(moe[1], tmp_path, "model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        ember.load(tmp_path)
+        ember.load(ckpt)
 
 
 def test_pickle_only_checkpoint_is_refused(moe, tmp_path):
-    _, path = moe
-    (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    (tmp_path / "pytorch_model.bin").write_bytes(b"whatever")
+    ckpt = _config_and_one_file(moe[1], tmp_path, "pytorch_model.bin", b"whatever")
     with pytest.raises(ValueError, match="never unpickles"):
-        ember.load(tmp_path)
+        ember.load(ckpt)
 
 
 def test_prompt_and_batch_limits(moe):

@@ -78,23 +78,33 @@ def _pair(name: str, v) -> tuple[int, int]:
     return pair
 
 
+def check_video_tensor(name: str, t, channels: int, channels_note: str = "") -> None:
+    """A torch.Tensor [batch, channels, frames, height, width] (the checks encode and decode share)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 5:
+        raise ValueError(f"{name}: expected a 5-d tensor [batch, {channels}, frames, height, width], "
+                         f"got shape {tuple(t.shape)}")
+    if t.shape[1] != channels:
+        raise ValueError(f"{name}: expected {channels} channels{channels_note} in dim 1, got shape {tuple(t.shape)}")
+
+
+def check_on_vae(name: str, t: torch.Tensor, spec) -> None:
+    """``t`` has the VAE's dtype and device."""
+    if t.dtype != spec.dtype:
+        raise TypeError(f"{name}: expected dtype {spec.dtype} (the VAE's), got {t.dtype}")
+    if t.device != spec.device:
+        raise ValueError(f"{name}: expected device {spec.device} (the VAE's), got {t.device}")
+
+
 def _validate_latents(spec: VaeSpec, z) -> None:
-    if not isinstance(z, torch.Tensor):
-        raise TypeError(f"latents: expected a torch.Tensor, got {type(z).__name__}")
-    if z.dim() != 5:
-        raise ValueError(f"latents: expected a 5-d tensor [batch, {spec.z_dim}, frames, height, width], "
-                         f"got shape {tuple(z.shape)}")
-    if z.shape[1] != spec.z_dim:
-        raise ValueError(f"latents: expected {spec.z_dim} channels (the VAE's z_dim) in dim 1, got shape {tuple(z.shape)}")
+    check_video_tensor("latents", z, spec.z_dim, " (the VAE's z_dim)")
     if z.shape[2] < 1:
         raise ValueError(f"latents: expected at least 1 latent frame (a video of 1 + "
                          f"{spec.time_up}k frames decodes from k + 1), got {z.shape[2]}")
     if z.shape[0] < 1 or z.shape[3] < 1 or z.shape[4] < 1:
         raise ValueError(f"latents: expected non-empty batch, height and width, got shape {tuple(z.shape)}")
-    if z.dtype != spec.dtype:
-        raise TypeError(f"latents: expected dtype {spec.dtype} (the VAE's), got {z.dtype}")
-    if z.device != spec.device:
-        raise ValueError(f"latents: expected device {spec.device} (the VAE's), got {z.device}")
+    check_on_vae("latents", z, spec)
 
 
 def _validate_tiles(spec: VaeSpec, tile, overlap):

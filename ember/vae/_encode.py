@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ember.vae._decode import AUTO_HISTORY_BYTES, SUPPORTED, VaeSpec, _pair
+from ember.vae._decode import AUTO_HISTORY_BYTES, SUPPORTED, VaeSpec, _pair, check_on_vae, check_video_tensor
 from ember.vae._stream import CL3, CausalStream, is_causal_conv, progress_bar, to_channels_last
 
 
@@ -170,13 +170,7 @@ class EncoderSpec:
 
 
 def _validate_video(spec: EncoderSpec, x) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"video: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 5:
-        raise ValueError(f"video: expected a 5-d tensor [batch, {spec.channels}, frames, height, width], "
-                         f"got shape {tuple(x.shape)}")
-    if x.shape[1] != spec.channels:
-        raise ValueError(f"video: expected {spec.channels} channels in dim 1, got shape {tuple(x.shape)}")
+    check_video_tensor("video", x, spec.channels)
     F_ = x.shape[2]
     if F_ < 1 or (F_ - 1) % spec.time_factor:
         raise ValueError(f"video: expected 1 + {spec.time_factor}k frames (1, {1 + spec.time_factor}, "
@@ -184,10 +178,7 @@ def _validate_video(spec: EncoderSpec, x) -> None:
     if x.shape[0] < 1 or x.shape[3] < 1 or x.shape[4] < 1 or x.shape[3] % spec.comp or x.shape[4] % spec.comp:
         raise ValueError(f"video: expected a non-empty batch and height and width that are positive multiples "
                          f"of the spatial compression factor {spec.comp}, got shape {tuple(x.shape)}")
-    if x.dtype != spec.dtype:
-        raise TypeError(f"video: expected dtype {spec.dtype} (the VAE's), got {x.dtype}")
-    if x.device != spec.device:
-        raise ValueError(f"video: expected device {spec.device} (the VAE's), got {x.device}")
+    check_on_vae("video", x, spec)
 
 
 def _validate_tiles(spec: EncoderSpec, tile, overlap):

@@ -42,20 +42,33 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row of x, a K-contiguous weight, a non-empty product, the Triton path on x's device, and
-    (on CUDA) a shape where the GEMV measured faster than cuBLAS (``ember.kernels.gemv.beats_cublas``)."""
+def _gemv_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row of x, a K-contiguous weight, a non-empty product and the Triton path on x's device."""
     N, K = weight.shape
-    return (K > 0 and N > 0 and x.numel() == K and weight.stride(1) == 1 and _dispatch.use_triton(x)
-            and (x.device.type != "cuda" or _dispatch.kernels("gemv").beats_cublas(N, K, weight.element_size())))
+    return K > 0 and N > 0 and x.numel() == K and weight.stride(1) == 1 and _dispatch.use_triton(x)
 
 
-@torch.library.custom_op("ember::linear_gemv", mutates_args=())
-def _linear_gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _dispatch.kernels("gemv").linear(x, weight, bias)
+def _gemv_beats_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Off CUDA (the interpreter) always; on CUDA only where the GEMV measured faster than cuBLAS
+    (``ember.kernels.gemv.beats_cublas``)."""
+    N, K = weight.shape
+    return x.device.type != "cuda" or _dispatch.kernels("gemv").beats_cublas(N, K, weight.element_size())
 
 
-@_linear_gemv_op.register_fake
+def _linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if _gemv_beats_cublas(x, weight):
+        return _dispatch.kernels("gemv").linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+# Under torch.compile the whole one-row decision runs inside the custom op: dynamo cannot trace the
+# lazy kernel-module import that the cuBLAS-or-GEMV table lives behind.
+@torch.library.custom_op("ember::linear_one_row", mutates_args=())
+def _linear_one_row_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _linear_one_row(x, weight, bias)
+
+
+@_linear_one_row_op.register_fake
 def _(x, weight, bias):
     return x.new_empty(x.shape[:-1] + (weight.shape[0],))
 
@@ -73,10 +86,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         >>> y = ember.ops.linear(x, w)          # [1, 1, 512] bf16
     """
     _validate(x, weight, bias)
-    if _takes_gemv(x, weight):
+    if _gemv_shape(x, weight):
         if _dispatch.compiling():
-            return _linear_gemv_op(x, weight, bias)
-        return _dispatch.kernels("gemv").linear(x, weight, bias)
+            return _linear_one_row_op(x, weight, bias)
+        return _linear_one_row(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -16,11 +16,13 @@ FLOPs are negligible at batch 1 (~6 GFLOP/token -> 8 us at 790 TFLOP/s).
 ember is timed as one decode step (embedding, all layers, final norm, lm_head, argmax; the engine
 adds its sampler) captured once in a CUDA graph and replayed per token after a 128-token prefill;
 transformers as ``generate`` (default experts and eager experts; decode rate from the time of n+1
-tokens minus 1 token, as baseline_h200.py measures). transformers' static cache + torch.compile is
-not timed here (the device-time budget of the run does not cover its minutes of compilation).
+tokens minus 1 token, as baseline_h200.py measures); with ``EMBER_BENCH_HF_COMPILE=1`` also with
+a static cache + torch.compile (the rate of a second identical generate, as ``ember bench moe``
+times it), recorded as an error where transformers does not support it for the model.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -31,13 +33,13 @@ from ember.bench import moe as moe_bench
 COPY_BW = 4.155e12
 PROMPT, STEPS, HF_NEW = 128, 128, 16
 TARGETS = {"lfm2_moe_8b_a1b": (600.0, 30.0), "qwen3_5_moe_35b_a3b": (300.0, 40.0)}
-# Opt-in kernels timed beside the default bf16 decode (environment read while capturing), per family;
+# The unfused paths (kept behind off-switches) timed beside the default bf16 decode, per family;
 # BUILD_VARIANTS change the weights' layout, so their environment is set while the net is built too.
-VARIANTS = {"qwen3_5_moe_35b_a3b": {"deltanet_fused": {"EMBER_DELTANET_FUSED": "1"}},
-            "lfm2_moe_8b_a1b": {"conv_fused": {"EMBER_LFM2_CONV_FUSED": "1"}}}
+VARIANTS = {"qwen3_5_moe_35b_a3b": {"deltanet_unfused": {"EMBER_DELTANET_FUSED": "0"}, "pdl_off": {"EMBER_PDL": "0"}},
+            "lfm2_moe_8b_a1b": {"conv_unfused": {"EMBER_LFM2_CONV_FUSED": "0"}, "pdl_off": {"EMBER_PDL": "0"}}}
 BUILD_VARIANTS = {"qwen3_5_moe_35b_a3b": {
-    "shared_expert_folded": {"EMBER_FOLD_SHARED_EXPERT": "1"},
-    "folded_and_deltanet_fused": {"EMBER_FOLD_SHARED_EXPERT": "1", "EMBER_DELTANET_FUSED": "1"}}}
+    "shared_expert_unfolded": {"EMBER_FOLD_SHARED_EXPERT": "0"},
+    "unfolded_and_deltanet_unfused": {"EMBER_FOLD_SHARED_EXPERT": "0", "EMBER_DELTANET_FUSED": "0"}}}
 
 
 def _variant_tok_s(net, ids, steps, env: dict, build=None) -> float | str:
@@ -168,19 +170,27 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
     ids = torch.randint(100, 500, (1, prompt), generator=gen).to(dev)
     steps = 8 if quick else STEPS
 
-    ctx.progress(f"{kind}: HF generate (default experts, eager experts)")
-    hf_figs = {}
-    for impl in ("default", "eager"):
+    ctx.progress(f"{kind}: HF generate (default experts, static cache + compile if asked, eager experts)")
+    hf_figs, extra_hf = {}, {"hf_model_build_s": build_s}
+    settings = ["default", "eager"]
+    if ctx.on_gpu and os.environ.get("EMBER_BENCH_HF_COMPILE") == "1":
+        settings.insert(1, "static_compiled")  # with the default experts, before switching to eager
+    for impl in settings:
         try:
+            if impl == "static_compiled":
+                hf_figs[impl], extra_hf["hf_static_compiled_first_call_s"] = moe_bench.hf_static_compiled_tok_s(
+                    hf, ids[:, :32], HF_NEW)
+                continue
             if impl != "default":
                 hf.set_experts_implementation(impl)
             hf_figs[impl] = hf_decode_tok_s(hf, ids[:, :32], 4 if quick else HF_NEW)
         except Exception as e:  # recorded: the row keeps whichever setting ran
             hf_figs[impl] = None
+            extra_hf[f"hf_{impl}_error"] = repr(e)[:300]
             print(f"{kind}: HF {impl} generate failed: {e!r}"[:300], flush=True)
     hf_best_name, hf_best = max(((k, v) for k, v in hf_figs.items() if v), key=lambda kv: kv[1], default=(None, None))
-    extra_hf = {"hf_default_tok_s": hf_figs.get("default"), "hf_eager_experts_tok_s": hf_figs.get("eager"),
-                "hf_model_build_s": build_s}
+    extra_hf.update(hf_default_tok_s=hf_figs.get("default"), hf_eager_experts_tok_s=hf_figs.get("eager"),
+                    hf_static_compiled_tok_s=hf_figs.get("static_compiled"))
     rows, bf16 = [], None
     for fp8 in (False, True):
         name = f"{kind}_{'fp8' if fp8 else 'bf16'}_b1"
@@ -216,7 +226,7 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
                 target = "report; aim at 1.4x the bf16 row"
                 extra["vs_bf16"] = r["tok_s"] / bf16 if bf16 else None
             rows.append(Row(name, "tok/s", r["tok_s"], hf_best,
-                            f"HF transformers generate bf16 ({hf_best_name} experts, the faster that ran)",
+                            f"HF transformers generate bf16 ({hf_best_name}, the fastest setting that ran)",
                             target=target, meets=meets, extra=extra))
         except Exception as e:
             rows.append(Row(name, "tok/s", 0.0, hf_best, "HF transformers generate bf16", meets=False,

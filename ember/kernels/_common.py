@@ -1,9 +1,13 @@
-"""Small helpers shared by kernel families: @triton.jit math, and the arrival counters of the
-"last program to arrive finishes the work" kernels."""
+"""Small helpers shared by kernel families: @triton.jit math, the arrival counters of the
+"last program to arrive finishes the work" kernels, and programmatic dependent launch."""
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Arrival counters, per (purpose, device, stream): zero between launches (the program that arrives
 # last resets its slot), so no memset launch per call. If the first use is during CUDA-graph
@@ -80,3 +84,34 @@ def softplus_f32(x, LIBDEVICE: tl.constexpr):
         u = 1.0 + e
         sp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
     return tl.where(x > 20.0, x, sp)
+
+
+# ----------------------------------------------------------------------------- dependent launch
+# Programmatic dependent launch (Hopper+): a kernel launched with ``launch_pdl=True`` may start while
+# the kernel before it in the stream still runs, once every program of that one has passed
+# ``pdl_start``. Batch-1 decode is ~500 short dependent launches per token, each paying launch
+# latency and a ramp from empty SMs; with PDL the next kernel's programs are already resident and
+# waiting. Contract for every kernel launched with PDL: call ``pdl_start(PDL)`` before it reads any
+# input or writes anything (so it also orders writes after the previous kernel's reads), on every
+# path. Then, when a kernel starts, the kernel two back has finished, and a chain of such kernels
+# behaves like plain stream order. Kernels launched without PDL (torch's) wait for full completion.
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """Wait for the previous kernel in the stream to finish (its writes visible), then allow the next
+    one to launch. A no-op without PDL (and under the interpreter)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=16)
+def _supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether to launch with programmatic dependent launch on ``device``: CUDA, sm_90 or newer, and
+    EMBER_PDL not "0" (read per call, so also while a CUDA graph is captured)."""
+    if device.type != "cuda" or os.environ.get("EMBER_PDL", "1") == "0":
+        return False
+    return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to
+from ember.kernels._common import round_to, pdl_start, use_pdl
 
 
 @triton.jit
@@ -26,7 +26,8 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, b_ptr, state_ptr, y_ptr, gi_ptr, go_ptr,
                           K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
                           SILU: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_STATE: tl.constexpr,
                           GATE_IN: tl.constexpr, GATE_OUT: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+                          BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     # GATE_IN / GATE_OUT (LFM2's short conv): the conv runs over gate_in * x (what the state keeps)
     # and y is multiplied by gate_out, each product rounded to the I/O dtype like the torch ops.
     b = tl.program_id(0).to(tl.int64)
@@ -86,6 +87,8 @@ def causal_conv1d(x, weight, bias, state, y, silu: bool, gate_in=None, gate_out=
     n_t = triton.cdiv(T, BLOCK_T)
     common = dict(K=K, HAS_BIAS=bias is not None, HAS_STATE=state is not None, SILU=silu,
                   GATE_IN=gate_in is not None, GATE_OUT=gate_out is not None, BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T)
+    pdl = use_pdl(x.device)
+    common.update(PDL=pdl, launch_pdl=pdl)
     st = state if state is not None else y
     sst = state.stride() if state is not None else (0, 0, 0)
     gi = gate_in if gate_in is not None else x

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to, sigmoid_f32, softplus_f32
+from ember.kernels._common import round_to, sigmoid_f32, softplus_f32, pdl_start, use_pdl
 
 
 @triton.jit
@@ -24,7 +24,8 @@ def _gated_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_
                              sgb, sgt, sgh, sbb, sbt, sbh, ssb, ssh, ssk, ssv, sob, sot, soh,
                              DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                              L2NORM: tl.constexpr, HAS_STATE: tl.constexpr, RAW_G: tl.constexpr,
-                             RAW_BETA: tl.constexpr, LIBDEVICE: tl.constexpr):
+                             RAW_BETA: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     # RAW_G: g_ptr holds a (the decay projection); RAW_BETA: beta_ptr holds b (the beta projection)
     pid = tl.program_id(0)
     b = (pid // HV).to(tl.int64)
@@ -78,10 +79,12 @@ def gated_delta_rule(q, k, v, g, beta, state, out, *, scale: float, l2norm: bool
     BLOCK_K = triton.next_power_of_2(DK)
     BLOCK_V = min(32, triton.next_power_of_2(DV))  # 128x32 fp32 tile: 32 registers a thread at 4 warps
     grid = (B * HV, triton.cdiv(DV, BLOCK_V))
+    pdl = use_pdl(q.device)
     _gated_delta_rule_kernel[grid](
         q, k, v, g, beta, state, out, dt_bias if dt_bias is not None else g, neg_a if neg_a is not None else g,
         T, HV, HV // HK, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state.stride(),
         *out.stride()[:3],
         DK=DK, DV=DV, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, L2NORM=l2norm, HAS_STATE=has_state,
-        RAW_G=dt_bias is not None, RAW_BETA=raw_beta, LIBDEVICE=q.device.type == "cuda", num_warps=4)
+        RAW_G=dt_bias is not None, RAW_BETA=raw_beta, LIBDEVICE=q.device.type == "cuda", num_warps=4,
+        PDL=pdl, launch_pdl=pdl)

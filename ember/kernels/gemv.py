@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to
+from ember.kernels._common import round_to, pdl_start, use_pdl
 
 SCALE_BLOCK = 128  # fp8 block scales: 128x128 weight blocks, 1x128 activation blocks
 ROW_BYTES = 512  # K bytes one warp loads per row and step: 32 threads x 16-byte vectors
@@ -30,7 +30,8 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
                 stride_ak, stride_bn, stride_on, stride_sak, stride_sbk, stride_sbn,
                 A_SCALED: tl.constexpr, B_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr,
                 SB_N_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                CHUNKS: tl.constexpr, KW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                CHUNKS: tl.constexpr, KW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                PDL: tl.constexpr = False):
     """One program owns BLOCK_N outputs and all of K.
 
     A step reads a [BLOCK_N, CHUNKS, KW] tile, k = k0 + chunk * KW + j, K fastest: each thread loads
@@ -42,6 +43,7 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
     reduced per step inside a warp. B_SCALED=False (bf16/fp16/fp32 weights) loads no scale at all.
     EVEN_N / EVEN_K drop the masks (and the zero fill of masked lanes) when the tiles divide N / K.
     """
+    pdl_start(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = (offs_n < N) | EVEN_N
@@ -176,6 +178,7 @@ def launch(a: torch.Tensor, stride_ak: int, b: torch.Tensor, stride_bn: int, N: 
     bn, chunks, kw = cfg["BLOCK_N"], cfg["CHUNKS"], cfg["KW"]
     if k_blocked and kw != SCALE_BLOCK:
         raise ValueError(f"config: 128-block scales need KW == {SCALE_BLOCK}, got {kw}")
+    pdl = use_pdl(out.device)
     gemv_kernel[(triton.cdiv(N, bn),)](
         a, b, scale_a if scale_a is not None else b, scale_b if scale_b is not None else b,  # unused pointers
         bias if bias is not None else out, out, N, K,
@@ -183,7 +186,7 @@ def launch(a: torch.Tensor, stride_ak: int, b: torch.Tensor, stride_bn: int, N: 
         A_SCALED=scale_a is not None, B_SCALED=scale_b is not None, K_BLOCKED=k_blocked,
         SB_N_GROUP=sb_n_group, HAS_BIAS=bias is not None,
         BLOCK_N=bn, CHUNKS=chunks, KW=kw, EVEN_N=N % bn == 0, EVEN_K=K % (chunks * kw) == 0,
-        num_warps=cfg["num_warps"], num_stages=1)
+        num_warps=cfg["num_warps"], num_stages=1, PDL=pdl, launch_pdl=pdl)
     return out
 
 

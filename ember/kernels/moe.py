@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, round_to
+from ember.kernels._common import arrival_counters, round_to, pdl_start, use_pdl
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -134,16 +134,56 @@ def _sigmoid_topk_of_row(logits_ptr, row, E, bias_ptr, scaling, TOP_K: tl.conste
 
 
 @triton.jit
+def _route_key_weight(logits_ptr, row_base, offs, n, bias_ptr, m, s, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """For experts ``offs`` (< n, others -inf): the selection key and the routing weight. softmax: both
+    exp(l - m) / s (the probability, as transformers ranks it); SIGMOID: sigmoid(l) + bias and sigmoid(l).
+    Recomputed by the same instructions wherever it is called, so every call sees the same bits."""
+    valid = offs < n
+    lg = tl.load(logits_ptr + row_base + offs, mask=valid, other=0.0, volatile=True)
+    if SIGMOID:
+        w = 1.0 / (1.0 + tl.exp(-lg))
+        key = w
+        if HAS_BIAS:
+            key = key + tl.load(bias_ptr + offs, mask=valid, other=0.0)
+    else:
+        w = tl.exp(lg - m) / s
+        key = w
+    return tl.where(valid, key, float("-inf")), w
+
+
+@triton.jit
+def _rank_route(logits_ptr, row_base, n, bias_ptr, m, s, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BLOCK_E: tl.constexpr, RANK_BLOCK: tl.constexpr):
+    """Each expert's place in the descending order of keys (ties -> lower index first), counted in
+    parallel: rank[i] = #{j: key[j] > key[i] or (key[j] == key[i] and j < i)}. One [BLOCK_E, RANK_BLOCK]
+    compare-and-count per block of j instead of TOP_K dependent max/argmin reductions (_select_topk).
+    Returns (rank, weight, offs)."""
+    offs = tl.arange(0, BLOCK_E)
+    key, w = _route_key_weight(logits_ptr, row_base, offs, n, bias_ptr, m, s, SIGMOID, HAS_BIAS)
+    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for j0 in tl.static_range(0, BLOCK_E, RANK_BLOCK):
+        offs_j = j0 + tl.arange(0, RANK_BLOCK)
+        key_j, _ = _route_key_weight(logits_ptr, row_base, offs_j, n, bias_ptr, m, s, SIGMOID, HAS_BIAS)
+        ahead = key_j[None, :] > key[:, None]
+        tie_before = (key_j[None, :] == key[:, None]) & (offs_j[None, :] < offs[:, None])
+        beats = ahead | tie_before
+        rank += tl.sum(beats.to(tl.int32), axis=1)
+    return rank, w, offs
+
+
+@triton.jit
 def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bias_ptr, scaling, E, H, stride_x, n_prog,
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, RANK: tl.constexpr,
+                         RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
     Routing: Qwen3's softmax top-k, or (SIGMOID) LFM2's biased sigmoid selection. SHARED_GATE: the
     last of the E rows is a shared expert's gate: softmax top-k over the first E - 1, then expert
     E - 1 appended with weight sigmoid(its logit) (Qwen3.5's shared expert folded into the experts)."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < E
@@ -158,21 +198,59 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
     if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
-        if SIGMOID:
-            ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
-                                           BLOCK_E, BLOCK_KK)
-        elif SHARED_GATE:
-            ws, ids = _topk_of_row(logits_ptr, t, E, E - 1, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
-            gate = tl.load(logits_ptr + t * E + E - 1, volatile=True)
-            ws = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, 1.0 / (1.0 + tl.exp(-gate)), ws)
-            ids = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, E - 1, ids)
-        else:
-            ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
-        kk = tl.arange(0, BLOCK_KK)
         n_out: tl.constexpr = TOP_K + SHARED_GATE
-        tl.store(tw_ptr + t * n_out + kk, ws, mask=kk < n_out)
-        tl.store(ids_ptr + t * n_out + kk, ids, mask=kk < n_out)
+        if RANK:
+            _rank_route_store(logits_ptr, t, E, bias_ptr, scaling, tw_ptr, ids_ptr, TOP_K, RENORM, SIGMOID,
+                              HAS_BIAS, SHARED_GATE, BLOCK_E, RANK_BLOCK)
+        else:
+            if SIGMOID:
+                ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
+                                               BLOCK_E, BLOCK_KK)
+            elif SHARED_GATE:
+                ws, ids = _topk_of_row(logits_ptr, t, E, E - 1, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+                gate = tl.load(logits_ptr + t * E + E - 1, volatile=True)
+                ws = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, 1.0 / (1.0 + tl.exp(-gate)), ws)
+                ids = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, E - 1, ids)
+            else:
+                ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+            kk = tl.arange(0, BLOCK_KK)
+            tl.store(tw_ptr + t * n_out + kk, ws, mask=kk < n_out)
+            tl.store(ids_ptr + t * n_out + kk, ids, mask=kk < n_out)
         tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _rank_route_store(logits_ptr, t, E, bias_ptr, scaling, tw_ptr, ids_ptr, TOP_K: tl.constexpr,
+                      RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SHARED_GATE: tl.constexpr, BLOCK_E: tl.constexpr, RANK_BLOCK: tl.constexpr):
+    """Token t's routing from its E logits (written by this launch) by rank: expert i lands in output
+    slot rank[i] when rank[i] < TOP_K, so the outputs come in descending order like torch.topk's."""
+    n_sel = E - SHARED_GATE
+    base = t * E
+    m = 0.0
+    s = 1.0
+    if not SIGMOID:
+        offs = tl.arange(0, BLOCK_E)
+        lg = tl.load(logits_ptr + base + offs, mask=offs < n_sel, other=float("-inf"), volatile=True)
+        m = tl.max(lg, axis=0)
+        s = tl.sum(tl.exp(lg - m), axis=0)
+    rank, w, offs = _rank_route(logits_ptr, base, n_sel, bias_ptr, m, s, SIGMOID, HAS_BIAS, BLOCK_E, RANK_BLOCK)
+    chosen = (rank < TOP_K) & (offs < n_sel)
+    if RENORM:
+        total = tl.sum(tl.where(chosen, w, 0.0), axis=0)
+        if SIGMOID:
+            w = w / (total + 1e-6)
+        else:
+            w = w / total
+    if SIGMOID:
+        w = w * scaling
+    n_out: tl.constexpr = TOP_K + SHARED_GATE
+    tl.store(tw_ptr + t * n_out + rank, w, mask=chosen)
+    tl.store(ids_ptr + t * n_out + rank, offs, mask=chosen)
+    if SHARED_GATE:
+        gate = tl.load(logits_ptr + base + E - 1, volatile=True)
+        tl.store(tw_ptr + t * n_out + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
+        tl.store(ids_ptr + t * n_out + TOP_K, E - 1)
 
 
 @triton.jit
@@ -234,8 +312,10 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, logits_ptr, ids_ptr, tw_ptr, h
                          H: tl.constexpr, I: tl.constexpr,
                          TOP_K: tl.constexpr, FUSED_ROUTE: tl.constexpr, RENORM: tl.constexpr,
                          SCALE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """h[pair, n] = silu(gate[e] . x[t]) * (up[e] . x[t]) for one pair (t, j) and BLOCK_N of the I rows."""
+    pdl_start(PDL)
     pair = tl.program_id(0)
     nb = tl.program_id(1)
     t = pair // TOP_K
@@ -286,8 +366,10 @@ def _down_slice(acc, h_ptr, pair, weight, w_base, rows, row_mask, row_s, k0, sca
 def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
                       stride_out, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                       H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N output rows; no atomics."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -354,8 +436,10 @@ def _v2_block_scales(scale_ptr, e, rows, row_mask, k0, K, stride_se, stride_sn, 
 def _gate_up_gemv_v2_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, stride_x,
                             stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                             H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
-                            BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr):
+                            BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """h[pair, n] = silu(gate[e] . x[t]) * (up[e] . x[t]) for BLOCK_N rows n; K (= H) unrolled, one reduction."""
+    pdl_start(PDL)
     pair = tl.program_id(0)
     nb = tl.program_id(1)
     t = pair // TOP_K
@@ -395,8 +479,10 @@ def _gate_up_gemv_v2_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, stride_x,
 def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stride_out,
                          stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -605,6 +691,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
 ROUTER_MAX_TOKENS = 64
 
 
+def _pdl(device: torch.device) -> dict:
+    """Launch options of the decode kernels: programmatic dependent launch where available."""
+    pdl = use_pdl(device)
+    return dict(PDL=pdl, launch_pdl=pdl)
+
+
 def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
                  scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0,
                  shared_expert_gate: bool = False):
@@ -633,12 +725,24 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     block_h = min(4096 if x.device.type == "cuda" else 32, triton.next_power_of_2(H))
     n_prog = triton.cdiv(E, block_r)
     bias = expert_bias.float().contiguous() if expert_bias is not None else logits
+    rank = router_rank_topk()
+    # rank: the selected experts only (the shared gate is read apart), so Qwen3.5's 256 + 1 rows
+    # count in 256-wide tiles, not 512
+    block_e = triton.next_power_of_2(E - int(shared_expert_gate)) if rank else triton.next_power_of_2(E)
     _router_route_kernel[(T, n_prog)](
         x, router.contiguous(), logits, arrival_counters("moe_router", x.device, T), w, ids, bias, float(scaling),
         E, H, x.stride(0), n_prog, TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), num_warps=4)
+        BLOCK_E=block_e, BLOCK_KK=triton.next_power_of_2(n_out), RANK=rank, RANK_BLOCK=min(block_e, 64),
+        num_warps=4, **_pdl(x.device))
     return w, ids
+
+
+def router_rank_topk() -> bool:
+    """EMBER_ROUTER_RANK (default 1; read per call, so also while capturing): the one-launch router
+    picks its top-k by counting each expert's rank in parallel instead of TOP_K dependent
+    max/argmin reductions over the row. 0 takes the serial selection (for A/B runs)."""
+    return os.environ.get("EMBER_ROUTER_RANK", "1") != "0"
 
 
 def _align(topk_ids: torch.Tensor, E: int, block_m: int):
@@ -689,13 +793,14 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
         logits.stride(0) if fused else 0, *w_gate_up.stride(), gse, gsn, gsk, H=H, I=I,
         TOP_K=top_k, FUSED_ROUTE=fused, RENORM=renormalize, SCALE=mode, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_KK=triton.next_power_of_2(top_k), BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"],
-        num_warps=cfg["num_warps"])
+        num_warps=cfg["num_warps"], **_pdl(x.device))
     cfg = _config("gemv_down", x.device)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     bn, bk = cfg["BLOCK_N"], _sub_k(mode, cfg["BLOCK_K"])
     _down_gemv_kernel[(T, triton.cdiv(H, bn))](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, H=H, I=I,
-        TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"], num_warps=cfg["num_warps"])
+        TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"], num_warps=cfg["num_warps"],
+        **_pdl(x.device))
     return out
 
 
@@ -790,13 +895,13 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out):
     _gate_up_gemv_v2_kernel[(T * top_k, triton.cdiv(I, cfg["BLOCK_N"]))](
         x, w_gate_up, gs_t, ids, h, x.stride(0), *w_gate_up.stride(), gse, gsn, gsk, H=H, I=I, TOP_K=top_k,
         SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
-        num_warps=cfg["num_warps"], num_stages=1)
+        num_warps=cfg["num_warps"], num_stages=1, **_pdl(x.device))
     cfg = _t1_v2_config("gemv_v2_down", w_down, I)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     _down_gemv_v2_kernel[(T, triton.cdiv(H, cfg["BLOCK_N"]))](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, H=H, I=I, TOP_K=top_k,
         SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
-        num_warps=cfg["num_warps"], num_stages=1)
+        num_warps=cfg["num_warps"], num_stages=1, **_pdl(x.device))
     return out
 
 

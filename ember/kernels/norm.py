@@ -5,14 +5,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to, silu_f32
+from ember.kernels._common import round_to, silu_f32, pdl_start, use_pdl
 
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
                         stride_x, stride_res, stride_out, stride_new_res,
                         H, eps,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -32,7 +33,8 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
 
 @triton.jit
 def _rmsnorm_gated_kernel(x_ptr, z_ptr, w_ptr, out_ptr, G, sxm, sxg, szm, szg, som, sog, H, eps,
-                          BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+                          BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     # rows are (m, g) pairs of [M, G, H] views: a head of a fused projection's z slice needs no copy
     pid = tl.program_id(0)
     m = (pid // G).to(tl.int64)
@@ -65,11 +67,12 @@ def add_rmsnorm(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.
         return
     block, num_warps = _launch_config(H)
     has_res = residual2 is not None
+    pdl = use_pdl(x2.device)
     _add_rmsnorm_kernel[(M,)](
         x2, residual2 if has_res else x2, weight, out, new_residual if has_res else out,
         x2.stride(0), residual2.stride(0) if has_res else 0, out.stride(0),
         new_residual.stride(0) if has_res else 0,
-        H, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps)
+        H, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps, PDL=pdl, launch_pdl=pdl)
 
 
 def rmsnorm_gated(x3: torch.Tensor, z3: torch.Tensor, weight: torch.Tensor, eps: float, out3: torch.Tensor) -> None:
@@ -78,7 +81,8 @@ def rmsnorm_gated(x3: torch.Tensor, z3: torch.Tensor, weight: torch.Tensor, eps:
     if M * G == 0:
         return
     block, num_warps = _launch_config(H)  # the same as add_rmsnorm's: the same reduction order
+    pdl = use_pdl(x3.device)
     _rmsnorm_gated_kernel[(M * G,)](
         x3, z3, weight, out3, G, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
         out3.stride(0), out3.stride(1), H, eps, BLOCK=block, LIBDEVICE=x3.device.type == "cuda",
-        num_warps=num_warps)
+        num_warps=num_warps, PDL=pdl, launch_pdl=pdl)

@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._common import pdl_start, use_pdl
+
 ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
 MIN_CHUNK = 1024          # split rows: at least this many elements per program
@@ -164,7 +166,8 @@ def _softmax_row_kernel(x_ptr, out_ptr, stride_x, stride_out, V, inv_t,
 
 
 @triton.jit
-def _argmax_row_kernel(x_ptr, out_ptr, stride_x, V, BLOCK: tl.constexpr):
+def _argmax_row_kernel(x_ptr, out_ptr, stride_x, V, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < V
@@ -175,7 +178,8 @@ def _argmax_row_kernel(x_ptr, out_ptr, stride_x, V, BLOCK: tl.constexpr):
 
 # ----------------------------------------------------------------------------- split rows, one launch
 @triton.jit
-def _argmax_split_kernel(x_ptr, out_ptr, stride_x, V, P, best_ptr, cnt_ptr, CHUNK: tl.constexpr):
+def _argmax_split_kernel(x_ptr, out_ptr, stride_x, V, P, best_ptr, cnt_ptr, CHUNK: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Argmax of rows split over P programs each, in one launch (no finish launch: ~2 us less in a graph).
 
     Each program folds its chunk's (max key, first column) into the row's int64 slot with
@@ -184,6 +188,7 @@ def _argmax_split_kernel(x_ptr, out_ptr, stride_x, V, P, best_ptr, cnt_ptr, CHUN
     it sees every earlier atomic_max) writes the column and swaps slot and counter back to INT64_MIN
     and 0: the persistent workspace is ready for the next launch without a memset.
     """
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -611,11 +616,15 @@ def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
     B, V = x2.shape
     if V <= ROW_BLOCK_MAX:
         block = triton.next_power_of_2(V)
-        _argmax_row_kernel[(B,)](x2, out, x2.stride(0), V, BLOCK=block, num_warps=_warps(block))
+        pdl = use_pdl(x2.device)
+        _argmax_row_kernel[(B,)](x2, out, x2.stride(0), V, BLOCK=block, num_warps=_warps(block), PDL=pdl,
+                                 launch_pdl=pdl)
         return
     chunk, P, _ = _split(V)
     _, best, count = _workspace(x2.device, B)
-    _argmax_split_kernel[(B, P)](x2, out, x2.stride(0), V, P, best, count, CHUNK=chunk, num_warps=_warps(chunk))
+    pdl = use_pdl(x2.device)
+    _argmax_split_kernel[(B, P)](x2, out, x2.stride(0), V, P, best, count, CHUNK=chunk, num_warps=_warps(chunk),
+                                 PDL=pdl, launch_pdl=pdl)
 
 
 def _param(v, dtype_scalar):

@@ -15,8 +15,9 @@ the rest gated DeltaNet); every layer has a sparse MoE with a shared expert.
   q/k RMSNorm with the ``(1 + weight)`` convention; RoPE on the first ``partial_rotary_factor *
   head_dim`` dims of each head only.
 * MoE: softmax top-k (always renormalised) through ``ember.ops.moe``, plus a shared SwiGLU expert
-  scaled by ``sigmoid(shared_expert_gate(h))``. With ``EMBER_FOLD_SHARED_EXPERT=1`` at load (bf16/fp16
-  weights, shared width = expert width) the shared expert is stored as expert E and its gate as
+  scaled by ``sigmoid(shared_expert_gate(h))``. By default at load (bf16/fp16 weights, shared width =
+  expert width; ``EMBER_FOLD_SHARED_EXPERT=0`` keeps it apart) the shared expert is stored as expert E
+  and its gate as
   router row E, so one routing launch and the two expert GEMVs do it all (``FoldedSharedMoe``).
 * Norms (input, post-attention, final, q/k): ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` in float32;
   ember stores ``1 + weight`` in float32 so its RMSNorm computes exactly that.
@@ -72,20 +73,23 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, h: torch.Tensor, conv_state, state) -> torch.Tensor:
         """h [B, T, H] -> [B, T, H], continuing from (and updating) the given states (None: zeros).
 
-        ``EMBER_DELTANET_FUSED=1`` (read per call, so also while a CUDA graph is captured) takes the
-        fused path: the delta-rule kernel computes ``g`` and ``beta`` from the raw ``a`` / ``b``
+        By default (``EMBER_DELTANET_FUSED=0`` switches it off; read per call, so also while a CUDA
+        graph is captured) this takes the fused path: the delta-rule kernel computes ``g`` and
+        ``beta`` from the raw ``a`` / ``b``
         projections, one gated RMSNorm launch replaces the norm and the five torch ops of the gate,
         and the conv writes [B, T, C] directly (the ``.contiguous()`` copy, a no-op at T = 1, is gone
         from prefill). Launches per DeltaNet layer at T = 1 (counted by
         tests/models/test_qwen3_5_moe.py::test_fused_path_launch_count, Triton launches plus
         non-view torch ops): 16 -> 6 (3 GEMVs, conv, delta rule, gated norm), 300 fewer per
         Qwen3.5-35B-A3B decode step (30 DeltaNet layers); at the ~1.2-2 us a dependent launch costs
-        in a CUDA graph, an expected 0.35-0.6 ms of the 4.27 ms step. Unmeasured on the GPU, hence
-        opt-in. The same values as this path bit for bit on the GPU (libdevice expf / log1pf and
+        in a CUDA graph, an expected 0.35-0.6 ms of the 4.27 ms step; measured on the H200
+        (bench/results/h200/moe_hybrid.json, first A/B run): 243 -> 279 tok/s alone, 299 -> 354 with
+        the folded shared expert (3.34 -> 2.83 ms per step). The unfused path computes the same
+        values as this one bit for bit on the GPU (libdevice expf / log1pf and
         IEEE division, as torch's CUDA kernels compute them); under Triton's interpreter numpy's exp
         differs from torch's CPU exp in the last fp32 bit, so there the paths agree to rounding.
         """
-        if os.environ.get("EMBER_DELTANET_FUSED", "0") == "1":
+        if os.environ.get("EMBER_DELTANET_FUSED", "1") != "0":
             return self._mix_fused(h, conv_state, state)
         B, T, _ = h.shape
         qkv, z = self.proj(h).split(self.split, dim=-1)
@@ -197,7 +201,8 @@ class FoldedSharedMoe(nn.Module):
     shared gate_up, SiLU, multiply, down, multiply, add); folded it is 3. Numerics: the shared
     expert's output joins the float32 sum over experts and its gate stays float32, where the
     unfolded path rounds gate, product and sum to the model dtype (same value up to that rounding).
-    Opt-in (EMBER_FOLD_SHARED_EXPERT=1 at load) until timed on the GPU.
+    Default at load (EMBER_FOLD_SHARED_EXPERT=0 keeps the unfolded block): on the H200 it took
+    Qwen3.5-35B-A3B bf16 decode from 243 to 299 tok/s (279 -> 354 with the fused DeltaNet mixer).
     """
 
     def __init__(self, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int):
@@ -339,7 +344,7 @@ def _build_moe(src: _common.TensorSource, cfg: dict, prefix: str, *, fp8: bool) 
     Is = _int(cfg, "shared_expert_intermediate_size")
     shared = _common.build_dense_mlp(src, f"{prefix}.shared_expert", H, Is, fp8=fp8)
     moe = SharedExpertMoe(routed, shared, src.get(f"{prefix}.shared_expert_gate.weight", (1, H)))
-    if os.environ.get("EMBER_FOLD_SHARED_EXPERT", "0") == "1":
+    if os.environ.get("EMBER_FOLD_SHARED_EXPERT", "1") != "0":
         return fold_shared_expert(moe) or moe
     return moe
 

@@ -298,9 +298,11 @@ def test_conv_fused_equals_unfused_interpreter(interpreter, monkeypatch, tmp_pat
     assert torch.equal(t0, t1) and torch.equal(l0, l1)
 
 
-def test_conv_fused_reference_path_matches_transformers(pair, monkeypatch):
+def test_conv_unfused_reference_path_matches_transformers(pair, monkeypatch):
+    """The three-op gated conv kept behind EMBER_LFM2_CONV_FUSED=0 (the default fused path is the
+    ``pair`` tests' subject)."""
     hf, net, _ = pair
-    monkeypatch.setenv("EMBER_LFM2_CONV_FUSED", "1")
+    monkeypatch.setenv("EMBER_LFM2_CONV_FUSED", "0")
     assert_greedy_matches_hf(hf, net, VOCAB, new=8)
 
 

@@ -272,7 +272,7 @@ def _count_launches(fn):
 
 @pytest.mark.parametrize("B", [1, 3])
 def test_fused_path_launch_count(interpreter, monkeypatch, tmp_path, B):
-    """One DeltaNet decode step (T = 1) in bf16: 16 launches by default, 6 fused (the figure in
+    """One DeltaNet decode step (T = 1) in bf16: 16 launches unfused, 6 fused (the default; the figure in
     GatedDeltaNet._mix's docstring)."""
     build_hf("text").save_pretrained(tmp_path)
     net = build_net(tmp_path, qwen3_5_moe, dtype=torch.bfloat16)
@@ -322,8 +322,8 @@ def test_gpu_kernels_match_transformers_fp32(cuda, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_fused_decode_bit_exact_and_cuda_graph(cuda, tmp_path, monkeypatch):
-    """The tiny model in bf16 on the GPU: EMBER_DELTANET_FUSED=1 gives the default path's logits bit
-    for bit (prefill and decode), and its CUDA-graph decode equals its eager decode."""
+    """The tiny model in bf16 on the GPU: the fused mixer (the default) gives the unfused path's logits
+    bit for bit (prefill and decode), and its CUDA-graph decode equals its eager decode."""
     build_hf("text").save_pretrained(tmp_path)
     net = build_net(tmp_path, qwen3_5_moe, dtype=torch.bfloat16, device=cuda)
     prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist(), torch.randint(0, VOCAB, (5,)).tolist()]
@@ -370,7 +370,7 @@ def test_gpu_fused_mixer_bit_exact_qwen35_shapes(cuda, monkeypatch, B, T):
 @pytest.mark.gpu
 def test_gpu_fused_mixer_cuda_graph_qwen35_shapes(cuda, monkeypatch):
     """A captured fused decode step (env read at capture) replayed on new inputs equals the eager
-    default path, bit for bit."""
+    unfused path, bit for bit."""
     mixer = _qwen35_deltanet(cuda)
     h = torch.randn(1, 2048, device=cuda, dtype=torch.bfloat16)
     cache = tuple(torch.randn(s, device=cuda).to(d) * 0.1 for s, d in mixer.cache_spec(1, 16, torch.bfloat16))

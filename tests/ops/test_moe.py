@@ -475,6 +475,13 @@ def test_gpu_t1_v2_other_dtypes(cuda, monkeypatch, dtype):
 
 
 # ------------------------------------------------------------------ router GEMV + routing in one launch
+@pytest.fixture(params=["1", "0"], ids=["rank_topk", "serial_topk"])
+def router_rank(request, monkeypatch):
+    """Both top-k selections of the one-launch router (EMBER_ROUTER_RANK): parallel ranks, serial picks."""
+    monkeypatch.setenv("EMBER_ROUTER_RANK", request.param)
+    return request.param
+
+
 def float64_route_hidden(x, router, top_k, renormalize=True):
     """Logits as F.linear returns them (float64 dot, rounded once to x.dtype), then float64 routing."""
     logits = (x.double() @ router.double().t()).to(x.dtype)
@@ -483,7 +490,7 @@ def float64_route_hidden(x, router, top_k, renormalize=True):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,e,h,k", [(1, 8, 64, 2), (3, 60, 100, 4), (2, 128, 64, 8)])
-def test_route_hidden_kernel_interpreter(interpreter, dtype, T, e, h, k):
+def test_route_hidden_kernel_interpreter(interpreter, router_rank, dtype, T, e, h, k):
     from ember.kernels import moe as kmod
     router = (torch.randn(e, h) / h ** 0.5).to(dtype)
     for _ in range(2):  # the second call proves the arrival counters were reset by the first
@@ -494,6 +501,28 @@ def test_route_hidden_kernel_interpreter(interpreter, dtype, T, e, h, k):
         assert_close(w, w64.float())
     from ember.kernels._common import arrival_counters
     assert int(arrival_counters("moe_router", x.device, T)[:T].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_route_hidden_ties_go_to_the_lower_index_interpreter(interpreter, router_rank, scoring):
+    """Duplicated router rows give bit-equal logits: the lower expert index is ranked first, as in
+    the float64 references (a python sort on (-value, index)), whichever selection runs."""
+    from ember.kernels import moe as kmod
+    e, h, k = 16, 64, 5
+    x = torch.randn(3, h)
+    router = torch.randn(e, h) / h ** 0.5
+    router[2] = x[0].sign() * 0.5  # token 0's largest logit, by far ...
+    router[[9, 12, 14]] = router[2].clone()  # ... in a four-way tie: 2, 9, 12, 14
+    router[7] = router[3].clone()  # another tie lower down
+    if scoring == "softmax":
+        w, ids = kmod.route_hidden(x, router, k, True)
+        w64, ids64 = float64_route_hidden(x, router, k)
+    else:
+        w, ids = kmod.route_hidden(x, router, k, True, "sigmoid", None, 1.0)
+        w64, ids64 = float64_sigmoid_route(x, router, k, None, True, 1.0)
+    assert ids[0, :4].tolist() == [2, 9, 12, 14]
+    assert torch.equal(ids.long(), ids64)
+    torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=1e-6)
 
 
 def test_route_hidden_public_op_paths(interpreter, monkeypatch):
@@ -568,7 +597,8 @@ def float64_sigmoid_route(x, router, top_k, bias, renormalize, scaling):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("e,k,with_bias,renormalize,scaling", [(8, 2, True, True, 2.5), (32, 4, False, True, 1.0),
                                                                 (60, 4, True, False, 1.0)])
-def test_route_hidden_sigmoid_kernel_interpreter(interpreter, dtype, e, k, with_bias, renormalize, scaling):
+def test_route_hidden_sigmoid_kernel_interpreter(interpreter, router_rank, dtype, e, k, with_bias, renormalize,
+                                                 scaling):
     from ember.kernels import moe as kmod
     h = 64
     router = (torch.randn(e, h) / h ** 0.5).to(dtype)
@@ -614,7 +644,7 @@ def test_gpu_route_hidden_sigmoid_lfm2_shapes(cuda):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("e,k", [(9, 2), (33, 8)])
-def test_route_hidden_shared_gate_kernel_interpreter(interpreter, dtype, e, k):
+def test_route_hidden_shared_gate_kernel_interpreter(interpreter, router_rank, dtype, e, k):
     """The last router row gates a shared expert: appended as id e-1 with weight sigmoid(logit)."""
     from ember.kernels import moe as kmod
     h = 64

@@ -1,8 +1,8 @@
 """Triton kernels for decode attention: fused q/k RMSNorm + RoPE + KV-cache write (alone, or behind the
 qkv projection GEMV: opt-in; H200 Qwen3-30B-A3B decode step 3.24 ms with it vs 3.09 without, its
 40 programs each stream a 512 KB head slab in serial K steps), and split-sequence attention over the
-live part of a static cache followed by a combine (a second launch, or, with EMBER_ATTN_ONE_LAUNCH=1,
-the last split program of each (row, kv head))."""
+live part of a static cache followed by a combine (by default in the same launch, by the last live split
+program of each (row, kv head); EMBER_ATTN_ONE_LAUNCH=0: a second launch)."""
 from __future__ import annotations
 
 import os
@@ -66,36 +66,23 @@ def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cach
 
 
 @triton.jit
-def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse_ptr, scale,
-                                   skb, skh, sks, svb, svh, svs, cnt_ptr, out_ptr,
-                                   NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                                   GP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   NSPLIT: tl.constexpr, IEEE: tl.constexpr, FUSED_COMBINE: tl.constexpr):
-    # One program per (row, kv head, sequence chunk): the G query heads sharing that kv head attend
-    # over positions [split * CHUNK, min((split + 1) * CHUNK, len)); empty chunks write lse = -inf.
-    # FUSED_COMBINE: the last of the (row, kv head)'s NSPLIT programs to arrive combines their
-    # partials into ``out`` (no second launch) and resets its arrival counter.
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    length = tl.load(len_ptr + b).to(tl.int32)
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, length)
+def _attend_blocks(q, kc_ptr, vc_ptr, part_ptr, lse_ptr, scale, skb, skh, sks, svb, svh, svs, b, kvh, split, length,
+                   NH: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NSPLIT: tl.constexpr, IEEE: tl.constexpr):
+    # Online softmax of the G heads (rows of q) over blocks split, split + NSPLIT, ... of BLOCK_N
+    # positions below ``length``; stores the normalised partial and its log-sum-exp (-inf when empty).
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     g_mask = offs_g < G
     head = kvh * G + offs_g
-    # fp32 operands: bf16/fp16 values are exact in tf32, so the default (tf32) dot loses nothing on
-    # q.k, and the interpreter (CI) mis-multiplies bf16 dots.
-    q = tl.load(q_ptr + (b * NH + head)[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     k_base = kc_ptr + b * skb + kvh * skh
     v_base = vc_ptr + b * svb + kvh * svh
-    for n in range(start, end, BLOCK_N):
-        offs_n = n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+    for blk in range(split, tl.cdiv(length, BLOCK_N), NSPLIT):
+        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < length
         k = tl.load(k_base + offs_n[:, None].to(tl.int64) * sks + offs_d[None, :], mask=n_mask[:, None],
                     other=0.0).to(tl.float32)
         if IEEE:
@@ -120,27 +107,78 @@ def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse
     part_row = (b * NH + head) * NSPLIT + split  # part [B, NH, NSPLIT, D], lse [B, NH, NSPLIT]
     tl.store(part_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
     tl.store(lse_ptr + part_row, lse, mask=g_mask)
+
+
+@triton.jit
+def _combine_live_splits(part_ptr, lse_ptr, out_ptr, b, kvh, n_live, NH: tl.constexpr, D: tl.constexpr,
+                         G: tl.constexpr, GC: tl.constexpr, NSB: tl.constexpr, NSPLIT: tl.constexpr):
+    # out = sum_s exp(lse_s - m) part_s / sum_s exp(lse_s - m) over the n_live live splits of the G
+    # heads, NSB splits per step as one [GC, NSB, D] load (volatile: other programs wrote them), merged
+    # online across steps: cdiv(n_live, NSB) dependent steps, one up to NSB * BLOCK_N live positions.
+    offs_g = tl.arange(0, GC)
+    offs_s = tl.arange(0, NSB)
+    offs_d = tl.arange(0, D)
+    g_mask = offs_g < G
+    first = (b * NH + kvh * G + offs_g) * NSPLIT  # [GC] rows of split 0
+    m_run = tl.full([GC], float("-inf"), tl.float32)
+    l_run = tl.zeros([GC], tl.float32)
+    acc = tl.zeros([GC, D], tl.float32)
+    for s0 in range(0, n_live, NSB):
+        mask = g_mask[:, None] & (s0 + offs_s < n_live)[None, :]
+        row = first[:, None] + s0 + offs_s[None, :]  # [GC, NSB]
+        # part before lse: volatile loads keep program order, so every load is in flight before the
+        # first use of one (lse's max) waits.
+        part = tl.load(part_ptr + row[:, :, None] * D + offs_d[None, None, :], mask=mask[:, :, None], other=0.0,
+                       volatile=True)
+        lse = tl.load(lse_ptr + row, mask=mask, other=float("-inf"), volatile=True)
+        m_new = tl.maximum(m_run, tl.max(lse, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from -inf - -inf (padding heads)
+        alpha = tl.exp(m_run - m_ref)
+        w = tl.exp(lse - m_ref[:, None])
+        l_run = l_run * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], axis=1)
+        m_run = m_new
+    res = acc / l_run[:, None]  # length 0 gives 0 / 0 = NaN, as the two-launch combine and the reference
+    tl.store(out_ptr + (b * NH + kvh * G + offs_g)[:, None] * D + offs_d[None, :],
+             round_to(res, out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse_ptr, scale, S,
+                                   skb, skh, sks, svb, svh, svs, cnt_ptr, out_ptr,
+                                   NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                                   GP: tl.constexpr, GC: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+                                   NSB: tl.constexpr, IEEE: tl.constexpr, FUSED_COMBINE: tl.constexpr):
+    # One program per (row, kv head, split): the G query heads sharing that kv head attend over the
+    # blocks split, split + NSPLIT, ... of BLOCK_N positions below seq_lens[row] (strided, so a short
+    # live length spreads over many programs whatever the cache size S).
+    # FUSED_COMBINE: only the n_live = min(cdiv(len, BLOCK_N), NSPLIT) splits holding live positions
+    # work (the others return as soon as the length is loaded), and the last of them to arrive combines
+    # their partials into ``out`` (no second launch) and resets the (row, kv head)'s arrival counter.
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), S)  # the reference's live mask stops at S too
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    # Loaded before the length is known: in flight together with it. fp32 operands: bf16/fp16 values
+    # are exact in tf32, so the default (tf32) dot loses nothing on q.k, and the interpreter (CI)
+    # mis-multiplies bf16 dots.
+    q = tl.load(q_ptr + (b * NH + kvh * G + offs_g)[:, None] * D + offs_d[None, :], mask=(offs_g < G)[:, None],
+                other=0.0).to(tl.float32)
     if FUSED_COMBINE:
-        slot = cnt_ptr + b * KVH + kvh
-        if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
-            first = (b * NH + head) * NSPLIT  # [GP] rows of split 0
-            m_run = tl.full([GP], -1e30, tl.float32)  # finite, so exp(m_old - m_new) is never NaN
-            l_run = tl.zeros([GP], tl.float32)
-            acc_run = tl.zeros([GP, D], tl.float32)
-            for sp in range(NSPLIT):  # online combine, split by split (volatile: other programs wrote them)
-                lse_s = tl.load(lse_ptr + first + sp, mask=g_mask, other=float("-inf"), volatile=True)
-                part_s = tl.load(part_ptr + (first + sp)[:, None] * D + offs_d[None, :], mask=g_mask[:, None],
-                                 other=0.0, volatile=True)
-                m_new = tl.maximum(m_run, lse_s)
-                alpha = tl.exp(m_run - m_new)
-                w = tl.exp(lse_s - m_new)  # empty chunks: exp(-inf) = 0
-                l_run = l_run * alpha + w
-                acc_run = acc_run * alpha[:, None] + part_s * w[:, None]
-                m_run = m_new
-            res = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
-            tl.store(out_ptr + (b * NH + head)[:, None] * D + offs_d[None, :],
-                     round_to(res, out_ptr.dtype.element_ty), mask=g_mask[:, None])
-            tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
+        n_live = tl.maximum(tl.minimum(tl.cdiv(length, BLOCK_N), NSPLIT), 1)  # length 0: split 0 (-> NaN)
+        if split < n_live:
+            _attend_blocks(q, kc_ptr, vc_ptr, part_ptr, lse_ptr, scale, skb, skh, sks, svb, svh, svs, b, kvh,
+                           split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE)
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            slot = cnt_ptr + b * KVH + kvh
+            if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == n_live - 1:
+                _combine_live_splits(part_ptr, lse_ptr, out_ptr, b, kvh, n_live, NH, D, G, GC, NSB, NSPLIT)
+                tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
+    else:
+        _attend_blocks(q, kc_ptr, vc_ptr, part_ptr, lse_ptr, scale, skb, skh, sks, svb, svh, svs, b, kvh,
+                       split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE)
 
 
 @triton.jit
@@ -159,21 +197,38 @@ def _decode_attention_combine_kernel(part_ptr, lse_ptr, out_ptr, NH: tl.constexp
     tl.store(out_ptr + (b * NH + h) * D + offs_d, round_to(out, out_ptr.dtype.element_ty))
 
 
-def _split_plan(S: int, rows_x_heads: int) -> tuple[int, int, int]:
-    """(NSPLIT, CHUNK, BLOCK_N): enough programs to cover the SMs, chunks a multiple of BLOCK_N."""
+# Values in the fused combine's [heads, splits, D] fp32 load: 16384 is 16 splits of Qwen3-30B-A3B's 8
+# heads x 128 (one step up to 512 live positions); ptxas (sm_90): 219 registers, no spills.
+COMBINE_TILE = 16384
+
+
+def _split_plan(S: int, rows_x_heads: int) -> tuple[int, int]:
+    """(NSPLIT, BLOCK_N): programs per (row, kv head) and the positions each takes per step.
+
+    ~256+ programs in total fill the 132 SMs of an H200; more splits only add combine work. Split s
+    takes blocks s, s + NSPLIT, ... so a short live length in a long cache (batch-1 decode: ~200 of
+    4096 positions) spreads one block per program over cdiv(len, 32) programs instead of falling into
+    the first few contiguous chunks, and a long one loops; the grid depends on S only (graph capture).
+    """
     block_n = 32
-    blocks = triton.cdiv(S, block_n)
-    # ~256+ programs in total fill the 132 SMs of an H200; more splits only add combine work.
-    nsplit = min(triton.next_power_of_2(blocks), max(1, triton.next_power_of_2(triton.cdiv(256, rows_x_heads))), 64)
-    chunk = triton.cdiv(blocks, nsplit) * block_n
-    return nsplit, chunk, block_n
+    nsplit = min(triton.next_power_of_2(triton.cdiv(S, block_n)),
+                 max(1, triton.next_power_of_2(triton.cdiv(256, rows_x_heads))), 64)
+    return nsplit, block_n
 
 
 def one_launch() -> bool:
-    """EMBER_ATTN_ONE_LAUNCH=1: decode attention combines its splits in the split kernel (the last
-    program of each (row, kv head) to arrive) instead of a second launch. Opt-in until timed on the
-    GPU (expected: one ~2 us launch less per layer); read per call, so also while capturing."""
-    return os.environ.get("EMBER_ATTN_ONE_LAUNCH", "0") == "1"
+    """Whether decode attention combines its splits inside the split kernel (the last live program of
+    each (row, kv head) to arrive) instead of in a second launch; EMBER_ATTN_ONE_LAUNCH=0 turns it off.
+
+    Read per call, so also while capturing a graph. The first version (every split program, live or
+    not, arrived; the combine walked all 64 splits one dependent load at a time) made the H200
+    Qwen3-30B-A3B decode step slower: 3.59 ms vs 3.08 with two launches (split kernel 3.36 us +
+    combine 2.72 us per layer), because its combine was a chain of 64 dependent L2 round trips. Now only
+    the live splits run and arrive, and the combine loads their partials as whole [heads, splits, D]
+    tiles (one dependent step up to 512 live positions); on by default, not yet timed on the H200
+    (expected ~4 us per layer: the split kernel plus one atomic and one L2 round trip).
+    """
+    return os.environ.get("EMBER_ATTN_ONE_LAUNCH", "1") != "0"
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
@@ -181,16 +236,18 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
     KVH, S = k_cache.shape[1], k_cache.shape[2]
     G = NH // KVH
     q = q.contiguous()
-    nsplit, chunk, block_n = _split_plan(S, B * KVH)
+    nsplit, block_n = _split_plan(S, B * KVH)
+    gc = triton.next_power_of_2(G)
+    nsb = max(1, min(nsplit, COMBINE_TILE // (gc * D)))
     part = torch.empty(B, NH, nsplit, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, NH, nsplit, dtype=torch.float32, device=q.device)
     fused = one_launch()
     cnt = arrival_counters("decode_attention", q.device, B * KVH) if fused else lse
     _decode_attention_split_kernel[(B, KVH, nsplit)](
-        q, k_cache, v_cache, seq_lens, part, lse, scale,
+        q, k_cache, v_cache, seq_lens, part, lse, scale, S,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        cnt, out, NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), CHUNK=chunk, BLOCK_N=block_n,
-        NSPLIT=nsplit, IEEE=q.dtype == torch.float32, FUSED_COMBINE=fused, num_warps=4)
+        cnt, out, NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), GC=gc, BLOCK_N=block_n,
+        NSPLIT=nsplit, NSB=nsb, IEEE=q.dtype == torch.float32, FUSED_COMBINE=fused, num_warps=4)
     if not fused:
         _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1)
 

@@ -256,3 +256,104 @@ def test_one_launch_combine_real_shapes_in_graph(cuda, monkeypatch):
         if i % 50 == 0:
             torch.testing.assert_close(out_g.float(), A.decode_attention_reference(q, kc, vc, lens, D ** -0.5).float(),
                                        atol=1e-2, rtol=8e-3)
+
+
+# ----------------------------------------------------------------------------- one-launch combine (default)
+def _kernels():
+    from ember import _dispatch
+    return _dispatch.kernels("attention")
+
+
+def _both_paths(monkeypatch, q, kc, vc, lens, scale):
+    """(one-launch, two-launch) outputs; asserts the arrival counters are back at 0 after the call."""
+    K = _kernels()
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", flag)
+        outs.append(A.decode_attention(q, kc, vc, lens, scale=scale))
+    cnt = K.arrival_counters("decode_attention", q.device, q.shape[0] * kc.shape[1])
+    assert int(cnt.abs().sum()) == 0
+    return outs
+
+
+def _assert_one_vs_two(one, two, dtype):
+    # Same partials (same split code); the combines sum the live splits in different orders, so fp32
+    # agrees to rounding and bf16 to at most one ulp (2^-7 relative) after the final rounding.
+    assert torch.isfinite(one).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(one, two, atol=1e-7, rtol=1e-6)
+    else:
+        torch.testing.assert_close(one.float(), two.float(), atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_live_splits_only_interpreter(interpreter, monkeypatch, dtype):
+    """16 splits of 32 positions per (row, kv head): length 1 (one live split), 64 (exactly two
+    blocks: a split boundary), 150 (5 of 16 live); then the same lengths tensor updated in place (as a
+    graph replay sees it) to a full cache, a boundary and a length 0 < x < 32, reusing the counters."""
+    B, NH, KVH, D, S = 3, 8, 2, 16, 512
+    assert _kernels()._split_plan(S, B * KVH) == (16, 32)
+    q = torch.randn(B, NH, D).to(dtype)
+    kc, vc = torch.randn(B, KVH, S, D).to(dtype), torch.randn(B, KVH, S, D).to(dtype)
+    lens = torch.tensor([1, 64, 150], dtype=torch.int32)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 8e-3)
+    for new_lens in ([1, 64, 150], [512, 32, 17]):
+        lens.copy_(torch.tensor(new_lens))
+        one, two = _both_paths(monkeypatch, q, kc, vc, lens, D ** -0.5)
+        _assert_one_vs_two(one, two, dtype)
+        torch.testing.assert_close(one.double(), _attention_f64(q, kc, vc, new_lens, D ** -0.5), atol=tol[0],
+                                   rtol=tol[1])
+
+
+def test_one_launch_strided_blocks_and_multi_step_combine_interpreter(interpreter, monkeypatch):
+    """A plan of 4 splits over 7 blocks (split 0 takes blocks 0 and 4, split 3 only block 3) and a
+    combine tile of 2 splits, so the live partials merge online over two steps."""
+    K = _kernels()
+    B, NH, KVH, D, S = 2, 8, 2, 16, 224
+    monkeypatch.setattr(K, "_split_plan", lambda S, rows_x_heads: (4, 32))
+    monkeypatch.setattr(K, "COMBINE_TILE", 2 * 4 * D)  # [4 heads, 2 splits, D]
+    q = torch.randn(B, NH, D)
+    kc, vc = torch.randn(B, KVH, S, D), torch.randn(B, KVH, S, D)
+    for lens in ([200, 96], [33, 224]):  # 7 and 3 blocks; 2 blocks (one partial), all 7
+        t = torch.tensor(lens, dtype=torch.int32)
+        one, two = _both_paths(monkeypatch, q, kc, vc, t, D ** -0.5)
+        _assert_one_vs_two(one, two, torch.float32)
+        torch.testing.assert_close(one.double(), _attention_f64(q, kc, vc, lens, D ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_one_launch_is_default_and_env_switch(monkeypatch):
+    K = _kernels()
+    monkeypatch.delenv("EMBER_ATTN_ONE_LAUNCH", raising=False)
+    assert K.one_launch()
+    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "0")
+    assert not K.one_launch()
+    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
+    assert K.one_launch()
+
+
+@pytest.mark.gpu
+def test_one_launch_graph_replays_with_changing_lengths(cuda, monkeypatch):
+    """Qwen3-30B-A3B batch-1 decode as the engine runs it: one graph captured at one length, replayed
+    at others (most of the 64 splits empty, split boundaries, the full cache), vs the two-launch path."""
+    NH, KVH, D, S = 32, 4, 128, 4096
+    q = torch.randn(1, NH, D, device=cuda).bfloat16()
+    kc, vc = torch.randn(1, KVH, S, D, device=cuda).bfloat16(), torch.randn(1, KVH, S, D, device=cuda).bfloat16()
+    lens = torch.tensor([130], device=cuda, dtype=torch.int32)
+    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
+    A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_g = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+    cnt = _kernels().arrival_counters("decode_attention", q.device, KVH)
+    for n in [130, 1, 31, 32, 33, 64, 257, 260, 2048, 4095, 4096] * 20:
+        lens.fill_(n)
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+        assert int(cnt.abs().sum()) == 0
+        monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "0")
+        two = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+        monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
+        torch.testing.assert_close(out_g.float(), two.float(), atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(out_g.float(), A.decode_attention_reference(q, kc, vc, lens, D ** -0.5).float(),
+                                   atol=1e-2, rtol=8e-3)

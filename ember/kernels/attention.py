@@ -11,13 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, round_to
+from ember.kernels._common import arrival_counters, round_to, pdl_start, use_pdl
 
 
 @triton.jit
 def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, q_ptr,
                                stride_qkv, stride_cos, skb, skh, sks, svb, svh, svs, eps,
-                               NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr):
+                               NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     # One program per (row, head) for the NH query heads and KVH key heads; key-head programs also
     # copy that head's v.
     b = tl.program_id(0).to(tl.int64)
@@ -58,11 +59,12 @@ def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cach
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
+    pdl = use_pdl(qkv.device)
     _qk_norm_rope_cache_kernel[(B, NH + KVH)](
         qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
-        NH=NH, KVH=KVH, D=D, num_warps=1)
+        NH=NH, KVH=KVH, D=D, num_warps=1, PDL=pdl, launch_pdl=pdl)
 
 
 @triton.jit
@@ -148,7 +150,9 @@ def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse
                                    skb, skh, sks, svb, svh, svs, cnt_ptr, out_ptr,
                                    NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                                    GP: tl.constexpr, GC: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                                   NSB: tl.constexpr, IEEE: tl.constexpr, FUSED_COMBINE: tl.constexpr):
+                                   NSB: tl.constexpr, IEEE: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+                                   PDL: tl.constexpr = False):
+    pdl_start(PDL)
     # One program per (row, kv head, split): the G query heads sharing that kv head attend over the
     # blocks split, split + NSPLIT, ... of BLOCK_N positions below seq_lens[row] (strided, so a short
     # live length spreads over many programs whatever the cache size S).
@@ -183,7 +187,8 @@ def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse
 
 @triton.jit
 def _decode_attention_combine_kernel(part_ptr, lse_ptr, out_ptr, NH: tl.constexpr, D: tl.constexpr,
-                                     NSPLIT: tl.constexpr):
+                                     NSPLIT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NSPLIT)
@@ -243,13 +248,16 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
     lse = torch.empty(B, NH, nsplit, dtype=torch.float32, device=q.device)
     fused = one_launch()
     cnt = arrival_counters("decode_attention", q.device, B * KVH) if fused else lse
+    pdl = use_pdl(q.device)
     _decode_attention_split_kernel[(B, KVH, nsplit)](
         q, k_cache, v_cache, seq_lens, part, lse, scale, S,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         cnt, out, NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), GC=gc, BLOCK_N=block_n,
-        NSPLIT=nsplit, NSB=nsb, IEEE=q.dtype == torch.float32, FUSED_COMBINE=fused, num_warps=4)
+        NSPLIT=nsplit, NSB=nsb, IEEE=q.dtype == torch.float32, FUSED_COMBINE=fused, num_warps=4,
+        PDL=pdl, launch_pdl=pdl)
     if not fused:
-        _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1)
+        _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1,
+                                                  PDL=pdl, launch_pdl=pdl)
 
 
 @triton.jit

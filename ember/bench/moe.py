@@ -160,8 +160,8 @@ def breakdown_us(model) -> dict:
 
 
 # Opt-in or alternative kernels timed beside the default decode step (env read while capturing).
-STEP_VARIANTS = {"default": {}, "fused_qkv": {"EMBER_FUSED_QKV": "1"}, "moe_t1_v1": {"EMBER_MOE_T1": "v1"},
-                 "router_unfused": {"EMBER_ROUTER_FUSED": "0"}, "router_serial_topk": {"EMBER_ROUTER_RANK": "0"},
+STEP_VARIANTS = {"default": {}, "fused_qkv": {"EMBER_FUSED_QKV": "1"}, "moe_t1_v2": {"EMBER_MOE_T1": "v2"},
+                 "router_unfused": {"EMBER_ROUTER_FUSED": "0"},
                  "attn_one_launch": {"EMBER_ATTN_ONE_LAUNCH": "1"}, "attn_two_launch": {"EMBER_ATTN_ONE_LAUNCH": "0"},
                  "pdl_off": {"EMBER_PDL": "0"}}
 

@@ -89,12 +89,13 @@ def ember_net(hf, cfg, *, fp8: bool, max_seq_len: int):
 
 def decode_bytes(net) -> int:
     """Weight bytes one batch-1 decode step reads: every parameter once (the embedding only as the
-    tied lm_head), routed experts scaled by top_k / E."""
+    tied lm_head), stacked experts scaled by the share a token reads (top_k / E; (top_k + 1) / (E + 1)
+    with Qwen3.5's shared expert folded in)."""
     frac = {}
     for m in net.modules():
         if hasattr(m, "w_gate_up"):
-            f = m.top_k / m.w_gate_up.shape[0]
-            for p in (m.w_gate_up, m.w_down, m.gate_up_scale, m.down_scale):
+            f = getattr(m, "experts_read", m.top_k) / m.w_gate_up.shape[0]
+            for p in (m.w_gate_up, m.w_down, getattr(m, "gate_up_scale", None), getattr(m, "down_scale", None)):
                 if p is not None:
                     frac[p.data_ptr()] = f
     seen, total = set(), 0.0
@@ -229,6 +230,7 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
                             f"HF transformers generate bf16 ({hf_best_name}, the fastest setting that ran)",
                             target=target, meets=meets, extra=extra))
         except Exception as e:
+            net = None  # a failed row must not keep its weights alive through the next one
             rows.append(Row(name, "tok/s", 0.0, hf_best, "HF transformers generate bf16", meets=False,
                             extra=dict(extra_hf, error=repr(e)[:400])))
         print("ROW", rows[-1].as_dict(), flush=True)

@@ -221,19 +221,28 @@ def _split_plan(S: int, rows_x_heads: int) -> tuple[int, int]:
     return nsplit, block_n
 
 
-def one_launch() -> bool:
+# The fused combine pays off only when the second launch would merge many splits: H200, Qwen3-30B-A3B
+# decode step with dependent launch (bench/step_variants.py): cache of 400 (16 splits) 2.736 ms one
+# launch vs 2.689 two; cache of 4096 (64 splits, the two-launch combine then spills) 2.775 vs 2.803.
+ONE_LAUNCH_MIN_SPLITS = 32
+
+
+def one_launch(nsplit: int) -> bool:
     """Whether decode attention combines its splits inside the split kernel (the last live program of
-    each (row, kv head) to arrive) instead of in a second launch; EMBER_ATTN_ONE_LAUNCH=0 turns it off.
+    each (row, kv head) to arrive) instead of in a second launch: by default when there are at least
+    ONE_LAUNCH_MIN_SPLITS splits; EMBER_ATTN_ONE_LAUNCH=1 / 0 forces it on / off.
 
     Read per call, so also while capturing a graph. The first version (every split program, live or
-    not, arrived; the combine walked all 64 splits one dependent load at a time) made the H200
+    not, arrived; the combine walked all splits one dependent load at a time) made the H200
     Qwen3-30B-A3B decode step slower: 3.59 ms vs 3.08 with two launches (split kernel 3.36 us +
-    combine 2.72 us per layer), because its combine was a chain of 64 dependent L2 round trips. Now only
+    combine 2.72 us per layer), because its combine was a chain of dependent L2 round trips. Now only
     the live splits run and arrive, and the combine loads their partials as whole [heads, splits, D]
-    tiles (one dependent step up to 512 live positions); on by default, not yet timed on the H200
-    (expected ~4 us per layer: the split kernel plus one atomic and one L2 round trip).
+    tiles (one dependent step up to 512 live positions).
     """
-    return os.environ.get("EMBER_ATTN_ONE_LAUNCH", "1") != "0"
+    env = os.environ.get("EMBER_ATTN_ONE_LAUNCH")
+    if env is not None:
+        return env != "0"
+    return nsplit >= ONE_LAUNCH_MIN_SPLITS
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
@@ -246,7 +255,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
     nsb = max(1, min(nsplit, COMBINE_TILE // (gc * D)))
     part = torch.empty(B, NH, nsplit, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, NH, nsplit, dtype=torch.float32, device=q.device)
-    fused = one_launch()
+    fused = one_launch(nsplit)
     cnt = arrival_counters("decode_attention", q.device, B * KVH) if fused else lse
     pdl = use_pdl(q.device)
     _decode_attention_split_kernel[(B, KVH, nsplit)](

@@ -26,6 +26,39 @@ ROW_BYTES = 512  # K bytes one warp loads per row and step: 32 threads x 16-byte
 
 
 @triton.jit
+def _weight_tile(rows, ks, mask_rows, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_N and EVEN_K:
+        w = tl.load(rows + ks)
+    else:
+        w = tl.load(rows + ks, mask=mask_rows & ((ks < K) | EVEN_K), other=0.0)
+    return w
+
+
+@triton.jit
+def _accumulate(acc, w, a_ptr, ks, k0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
+                offs_c, offs_n, mask_n, shape: tl.constexpr, A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr,
+                SB_N_GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step: the activation slice in the weight tile's shape, products into ``acc``."""
+    a_ptrs = tl.broadcast_to(a_ptr + ks * stride_ak, shape)
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+    else:
+        a = tl.load(a_ptrs, mask=tl.broadcast_to(ks < K, shape), other=0.0)
+    prod = w.to(tl.float32) * a.to(tl.float32)
+    if K_BLOCKED:  # KW == 128 and k0 % 128 == 0: chunk c is scale block k0 // 128 + c
+        kb = k0 // 128 + offs_c
+        mask_kb = kb * 128 < K
+        s = tl.load(sb_ptr + kb[None, :] * stride_sbk + (offs_n // SB_N_GROUP)[:, None] * stride_sbn,
+                    mask=mask_n[:, None] & mask_kb[None, :], other=0.0)
+        if A_SCALED:
+            s = s * tl.load(sa_ptr + kb * stride_sak, mask=mask_kb, other=0.0)[None, :]
+        acc += tl.sum(prod, axis=2) * s
+    else:
+        acc += prod
+    return acc
+
+
+@triton.jit
 def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
                 stride_ak, stride_bn, stride_on, stride_sak, stride_sbk, stride_sbn,
                 A_SCALED: tl.constexpr, B_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr,
@@ -43,7 +76,6 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
     reduced per step inside a warp. B_SCALED=False (bf16/fp16/fp32 weights) loads no scale at all.
     EVEN_N / EVEN_K drop the masks (and the zero fill of masked lanes) when the tiles divide N / K.
     """
-    pdl_start(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = (offs_n < N) | EVEN_N
@@ -57,27 +89,17 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
         acc = tl.zeros([BLOCK_N, CHUNKS], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, CHUNKS, KW], dtype=tl.float32)
-    for k0 in range(0, K, CHUNKS * KW):
+    # The first step's weight tile is loaded before waiting for the previous kernel (no kernel writes
+    # weights): under dependent launch it streams in while that kernel finishes.
+    w = _weight_tile(rows, offs_k, mask_rows, K, EVEN_N, EVEN_K)
+    pdl_start(PDL)
+    acc = _accumulate(acc, w, a_ptr, offs_k, 0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
+                      offs_c, offs_n, mask_n, shape, A_SCALED, K_BLOCKED, SB_N_GROUP, EVEN_K)
+    for k0 in range(CHUNKS * KW, K, CHUNKS * KW):
         ks = k0 + offs_k
-        a_ptrs = tl.broadcast_to(a_ptr + ks * stride_ak, shape)
-        if EVEN_N and EVEN_K:
-            w = tl.load(rows + ks)
-            a = tl.load(a_ptrs)
-        else:
-            mask_k = (ks < K) | EVEN_K
-            w = tl.load(rows + ks, mask=mask_rows & mask_k, other=0.0)
-            a = tl.load(a_ptrs, mask=tl.broadcast_to(mask_k, shape), other=0.0)
-        prod = w.to(tl.float32) * a.to(tl.float32)
-        if K_BLOCKED:  # KW == 128 and k0 % 128 == 0: chunk c is scale block k0 // 128 + c
-            kb = k0 // 128 + offs_c
-            mask_kb = kb * 128 < K
-            s = tl.load(sb_ptr + kb[None, :] * stride_sbk + (offs_n // SB_N_GROUP)[:, None] * stride_sbn,
-                        mask=mask_n[:, None] & mask_kb[None, :], other=0.0)
-            if A_SCALED:
-                s = s * tl.load(sa_ptr + kb * stride_sak, mask=mask_kb, other=0.0)[None, :]
-            acc += tl.sum(prod, axis=2) * s
-        else:
-            acc += prod
+        w = _weight_tile(rows, ks, mask_rows, K, EVEN_N, EVEN_K)
+        acc = _accumulate(acc, w, a_ptr, ks, k0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
+                          offs_c, offs_n, mask_n, shape, A_SCALED, K_BLOCKED, SB_N_GROUP, EVEN_K)
     if K_BLOCKED:
         out = tl.sum(acc, axis=1)
     else:

@@ -44,9 +44,11 @@ GPU_CONFIG = {
     "gemv_down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, UNROLL=True),
     "grouped_decode": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "grouped_prefill": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-    # T=1: v2 measured faster than v1 on the H200 (ember.bench.moe_ops.sweep, Qwen3-30B-A3B shapes, us
-    # per layer): bf16 27.6 vs 28.4, fp8 row 20.6 vs 29.2, fp8 128-block 21.2 vs ~29 (see _t1_v2_config).
-    "moe_t1": dict(FUSED_ROUTE=False, GEMV="v2"),  # FUSED_ROUTE: routing inside the gate_up GEMV (v1 only)
+    # T=1, H200, Qwen3-30B-A3B shapes. fp8: v2 (ember.bench.moe_ops.sweep, us per layer: row scales
+    # 20.6 vs 29.2, 128-blocks 21.2 vs ~29; see _t1_v2_config). bf16: v2 won alone (27.6 vs 28.4 us)
+    # and in the decode step without dependent launch (2.934 vs 2.953 ms), but with it v1 does
+    # (bench/step_variants.py: 2.705 vs 2.734 ms at max_seq_len 400, 2.745 vs 2.777 at 4096).
+    "moe_t1": dict(FUSED_ROUTE=False, GEMV="v1", GEMV_FP8="v2"),  # FUSED_ROUTE: routing in the gate_up GEMV (v1)
     # v2 kernels: warps per program, rows per warp lane group. Down takes 2 rows for fp8 weights
     # (ROWS_FP8: 20.6 vs 21.4 us) but 1 for bf16 (27.6 vs 32.2 us: 2 rows of bf16 spill the partial sums).
     "gemv_v2_gate_up": dict(num_warps=4, ROWS=2, ROWS_FP8=2, LANES=None),
@@ -57,7 +59,7 @@ CPU_CONFIG = {
     "gemv_down": dict(BLOCK_N=16, BLOCK_K=16, num_warps=1, UNROLL=False),
     "grouped_decode": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1),
     "grouped_prefill": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1),
-    "moe_t1": dict(FUSED_ROUTE=True, GEMV="v1"),
+    "moe_t1": dict(FUSED_ROUTE=True, GEMV="v1", GEMV_FP8="v1"),
     # LANES=4: several K steps and ragged K masks even at H=64..256
     "gemv_v2_gate_up": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4),
     "gemv_v2_down": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4),
@@ -134,123 +136,51 @@ def _sigmoid_topk_of_row(logits_ptr, row, E, bias_ptr, scaling, TOP_K: tl.conste
 
 
 @triton.jit
-def _route_key_weight(logits_ptr, row_base, offs, n, bias_ptr, m, s, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """For experts ``offs`` (< n, others -inf): the selection key and the routing weight. softmax: both
-    exp(l - m) / s (the probability, as transformers ranks it); SIGMOID: sigmoid(l) + bias and sigmoid(l).
-    Recomputed by the same instructions wherever it is called, so every call sees the same bits."""
-    valid = offs < n
-    lg = tl.load(logits_ptr + row_base + offs, mask=valid, other=0.0, volatile=True)
-    if SIGMOID:
-        w = 1.0 / (1.0 + tl.exp(-lg))
-        key = w
-        if HAS_BIAS:
-            key = key + tl.load(bias_ptr + offs, mask=valid, other=0.0)
-    else:
-        w = tl.exp(lg - m) / s
-        key = w
-    return tl.where(valid, key, float("-inf")), w
-
-
-@triton.jit
-def _rank_route(logits_ptr, row_base, n, bias_ptr, m, s, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BLOCK_E: tl.constexpr, RANK_BLOCK: tl.constexpr):
-    """Each expert's place in the descending order of keys (ties -> lower index first), counted in
-    parallel: rank[i] = #{j: key[j] > key[i] or (key[j] == key[i] and j < i)}. One [BLOCK_E, RANK_BLOCK]
-    compare-and-count per block of j instead of TOP_K dependent max/argmin reductions (_select_topk).
-    Returns (rank, weight, offs)."""
-    offs = tl.arange(0, BLOCK_E)
-    key, w = _route_key_weight(logits_ptr, row_base, offs, n, bias_ptr, m, s, SIGMOID, HAS_BIAS)
-    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for j0 in tl.static_range(0, BLOCK_E, RANK_BLOCK):
-        offs_j = j0 + tl.arange(0, RANK_BLOCK)
-        key_j, _ = _route_key_weight(logits_ptr, row_base, offs_j, n, bias_ptr, m, s, SIGMOID, HAS_BIAS)
-        ahead = key_j[None, :] > key[:, None]
-        tie_before = (key_j[None, :] == key[:, None]) & (offs_j[None, :] < offs[:, None])
-        beats = ahead | tie_before
-        rank += tl.sum(beats.to(tl.int32), axis=1)
-    return rank, w, offs
-
-
-@triton.jit
 def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bias_ptr, scaling, E, H, stride_x, n_prog,
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, RANK: tl.constexpr,
-                         RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, PDL: tl.constexpr = False):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
     Routing: Qwen3's softmax top-k, or (SIGMOID) LFM2's biased sigmoid selection. SHARED_GATE: the
     last of the E rows is a shared expert's gate: softmax top-k over the first E - 1, then expert
     E - 1 appended with weight sigmoid(its logit) (Qwen3.5's shared expert folded into the experts)."""
-    pdl_start(PDL)
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < E
-    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_H):
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * H
+    # The first K block of the router weight (on the GPU all of K) is loaded before waiting for the
+    # previous kernel: no kernel writes it, and under dependent launch the load overlaps that kernel.
+    ks = tl.arange(0, BLOCK_H)
+    w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < H)[None, :], other=0.0)
+    pdl_start(PDL)
+    xv = tl.load(x_ptr + t * stride_x + ks, mask=ks < H, other=0.0)
+    acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_H, H, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
         k_mask = ks < H
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * H + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         xv = tl.load(x_ptr + t * stride_x + ks, mask=k_mask, other=0.0)
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
     logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
     if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
-        n_out: tl.constexpr = TOP_K + SHARED_GATE
-        if RANK:
-            _rank_route_store(logits_ptr, t, E, bias_ptr, scaling, tw_ptr, ids_ptr, TOP_K, RENORM, SIGMOID,
-                              HAS_BIAS, SHARED_GATE, BLOCK_E, RANK_BLOCK)
-        else:
-            if SIGMOID:
-                ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
-                                               BLOCK_E, BLOCK_KK)
-            elif SHARED_GATE:
-                ws, ids = _topk_of_row(logits_ptr, t, E, E - 1, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
-                gate = tl.load(logits_ptr + t * E + E - 1, volatile=True)
-                ws = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, 1.0 / (1.0 + tl.exp(-gate)), ws)
-                ids = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, E - 1, ids)
-            else:
-                ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
-            kk = tl.arange(0, BLOCK_KK)
-            tl.store(tw_ptr + t * n_out + kk, ws, mask=kk < n_out)
-            tl.store(ids_ptr + t * n_out + kk, ids, mask=kk < n_out)
-        tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _rank_route_store(logits_ptr, t, E, bias_ptr, scaling, tw_ptr, ids_ptr, TOP_K: tl.constexpr,
-                      RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SHARED_GATE: tl.constexpr, BLOCK_E: tl.constexpr, RANK_BLOCK: tl.constexpr):
-    """Token t's routing from its E logits (written by this launch) by rank: expert i lands in output
-    slot rank[i] when rank[i] < TOP_K, so the outputs come in descending order like torch.topk's."""
-    n_sel = E - SHARED_GATE
-    base = t * E
-    m = 0.0
-    s = 1.0
-    if not SIGMOID:
-        offs = tl.arange(0, BLOCK_E)
-        lg = tl.load(logits_ptr + base + offs, mask=offs < n_sel, other=float("-inf"), volatile=True)
-        m = tl.max(lg, axis=0)
-        s = tl.sum(tl.exp(lg - m), axis=0)
-    rank, w, offs = _rank_route(logits_ptr, base, n_sel, bias_ptr, m, s, SIGMOID, HAS_BIAS, BLOCK_E, RANK_BLOCK)
-    chosen = (rank < TOP_K) & (offs < n_sel)
-    if RENORM:
-        total = tl.sum(tl.where(chosen, w, 0.0), axis=0)
         if SIGMOID:
-            w = w / (total + 1e-6)
+            ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
+                                           BLOCK_E, BLOCK_KK)
+        elif SHARED_GATE:
+            ws, ids = _topk_of_row(logits_ptr, t, E, E - 1, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+            gate = tl.load(logits_ptr + t * E + E - 1, volatile=True)
+            ws = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, 1.0 / (1.0 + tl.exp(-gate)), ws)
+            ids = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, E - 1, ids)
         else:
-            w = w / total
-    if SIGMOID:
-        w = w * scaling
-    n_out: tl.constexpr = TOP_K + SHARED_GATE
-    tl.store(tw_ptr + t * n_out + rank, w, mask=chosen)
-    tl.store(ids_ptr + t * n_out + rank, offs, mask=chosen)
-    if SHARED_GATE:
-        gate = tl.load(logits_ptr + base + E - 1, volatile=True)
-        tl.store(tw_ptr + t * n_out + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
-        tl.store(ids_ptr + t * n_out + TOP_K, E - 1)
+            ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+        kk = tl.arange(0, BLOCK_KK)
+        n_out: tl.constexpr = TOP_K + SHARED_GATE
+        tl.store(tw_ptr + t * n_out + kk, ws, mask=kk < n_out)
+        tl.store(ids_ptr + t * n_out + kk, ids, mask=kk < n_out)
+        tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -396,7 +326,7 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
 
 
 # ============================================================================ T == 1: GEMV kernels, v2
-# Selected with EMBER_MOE_T1=v2 (or GPU_CONFIG["moe_t1"]["GEMV"]); see _t1_v2_config for the analysis.
+# Selected with EMBER_MOE_T1=v2 (or GPU_CONFIG["moe_t1"]); see _t1_v2_config for the analysis.
 # Tiles are [BLOCK_N, LANES * VEC], K fastest: VEC contiguous K elements (16 bytes of weight) per
 # thread, LANES threads of a warp along K, warps (and 32 // LANES rows per warp) along the rows. The
 # activation is loaded with the weight tile's shape so both get the same register layout (no shared
@@ -721,28 +651,20 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     # H200 profile of a first version (4 rows x 512-wide K steps per program, 32 programs): 6.85 us
     # per call against ~3.6 us for the route kernel alone: each program's 4 K steps were 4 serial
     # memory round trips. Now the whole K range (up to 4096) is one load per program, 2 rows each.
+    # A top-k by parallel rank counting (one [E, E] compare-and-count instead of the 8 dependent
+    # max/argmin reductions) measured no faster in the decode step (2.734 vs 2.727 ms), so the
+    # serial picks stay.
     block_r = 2
     block_h = min(4096 if x.device.type == "cuda" else 32, triton.next_power_of_2(H))
     n_prog = triton.cdiv(E, block_r)
     bias = expert_bias.float().contiguous() if expert_bias is not None else logits
-    rank = router_rank_topk()
-    # rank: the selected experts only (the shared gate is read apart), so Qwen3.5's 256 + 1 rows
-    # count in 256-wide tiles, not 512
-    block_e = triton.next_power_of_2(E - int(shared_expert_gate)) if rank else triton.next_power_of_2(E)
     _router_route_kernel[(T, n_prog)](
         x, router.contiguous(), logits, arrival_counters("moe_router", x.device, T), w, ids, bias, float(scaling),
         E, H, x.stride(0), n_prog, TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
-        BLOCK_E=block_e, BLOCK_KK=triton.next_power_of_2(n_out), RANK=rank, RANK_BLOCK=min(block_e, 64),
-        num_warps=4, **_pdl(x.device))
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), num_warps=4,
+        **_pdl(x.device))
     return w, ids
-
-
-def router_rank_topk() -> bool:
-    """EMBER_ROUTER_RANK (default 1; read per call, so also while capturing): the one-launch router
-    picks its top-k by counting each expert's rank in parallel instead of TOP_K dependent
-    max/argmin reductions over the row. 0 takes the serial selection (for A/B runs)."""
-    return os.environ.get("EMBER_ROUTER_RANK", "1") != "0"
 
 
 def _align(topk_ids: torch.Tensor, E: int, block_m: int):
@@ -804,11 +726,12 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
     return out
 
 
-def t1_variant(device: torch.device) -> str:
-    """Which T=1 GEMV kernels run: "v2" (the GPU default) or "v1" (the CPU default, and FUSED_ROUTE's).
+def t1_variant(device: torch.device, fp8: bool = False) -> str:
+    """Which T=1 GEMV kernels run: "v1" or "v2" (on the GPU: v1 for 2-byte weights, v2 for fp8; on
+    the CPU v1, also FUSED_ROUTE's).
 
     EMBER_MOE_T1 (``v1``, ``v2``, or ``v2,gu_warps,gu_rows,dn_warps,dn_rows`` for sweeps) overrides
-    GPU_CONFIG / CPU_CONFIG["moe_t1"]["GEMV"]; it is read per call (so also while capturing a graph).
+    GPU_CONFIG / CPU_CONFIG["moe_t1"]; it is read per call (so also while capturing a graph).
     """
     env = os.environ.get("EMBER_MOE_T1")
     if env:
@@ -818,7 +741,7 @@ def t1_variant(device: torch.device) -> str:
             raise ValueError(f"EMBER_MOE_T1: expected 'v1', 'v2' or 'v2,gu_warps,gu_rows,dn_warps,dn_rows', "
                              f"got {env!r}")
         return name
-    return _config("moe_t1", device)["GEMV"]
+    return _config("moe_t1", device)["GEMV_FP8" if fp8 else "GEMV"]
 
 
 def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
@@ -956,7 +879,7 @@ def experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_sc
         return torch.empty_like(x)
     if T == 1:
         out = torch.empty_like(x)
-        if t1_variant(x.device) == "v2":
+        if t1_variant(x.device, fp8=w_gate_up.element_size() == 1) == "v2":
             return _experts_gemv_v2(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, top_k, out)
         return _experts_gemv(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, None, top_k, True, out)
     return _experts_grouped(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, top_k)
@@ -965,7 +888,8 @@ def experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_sc
 def moe(x, router_logits, w_gate_up, w_down, top_k, renormalize, gate_up_scale, down_scale):
     x = _rows_contiguous(x)
     T = x.shape[0]
-    if T == 1 and _config("moe_t1", x.device)["FUSED_ROUTE"] and t1_variant(x.device) == "v1":
+    fp8 = w_gate_up.element_size() == 1
+    if T == 1 and _config("moe_t1", x.device)["FUSED_ROUTE"] and t1_variant(x.device, fp8) == "v1":
         logits = _rows_contiguous(router_logits)
         ids = torch.empty((1, top_k), dtype=torch.int32, device=x.device)
         tw = torch.empty((1, top_k), dtype=torch.float32, device=x.device)

@@ -211,6 +211,7 @@ class FoldedSharedMoe(nn.Module):
         self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=False)        # [E + 1, 2I, H]
         self.w_down = nn.Parameter(w_down, requires_grad=False)              # [E + 1, H, I]
         self.top_k = top_k
+        self.experts_read = top_k + 1  # per token: the routed ones and the shared one
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])

@@ -71,3 +71,21 @@ def test_env_vars_sets_removes_and_restores(monkeypatch):
     except RuntimeError:
         pass
     assert os.environ["EMBER_TEST_A"] == "1"  # restored after an exception too
+
+
+def test_moe_hybrid_floor_counts_the_folded_shared_expert(monkeypatch):
+    """Qwen3.5 with its shared expert folded into the experts (the bf16 default) reads the same weight
+    bytes per token as the unfolded block: the floor must not change with the layout."""
+    import torch
+    from ember.bench import moe_hybrid
+    from ember.models import qwen3_5_moe
+    hf, cfg = moe_hybrid.make_hf("qwen3_5_moe_35b_a3b", True, torch.device("cpu"))
+    hf = hf.to(torch.bfloat16)
+    nets = {}
+    for fold in ("1", "0"):
+        monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", fold)
+        nets[fold] = moe_hybrid.ember_net(hf, cfg, fp8=False, max_seq_len=64)
+    assert any(isinstance(m, qwen3_5_moe.FoldedSharedMoe) for m in nets["1"].modules())
+    assert not any(isinstance(m, qwen3_5_moe.FoldedSharedMoe) for m in nets["0"].modules())
+    folded, unfolded = (moe_hybrid.decode_bytes(nets[f]) for f in ("1", "0"))
+    assert folded == pytest.approx(unfolded, rel=1e-6)

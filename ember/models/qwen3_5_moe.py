@@ -15,10 +15,10 @@ the rest gated DeltaNet); every layer has a sparse MoE with a shared expert.
   q/k RMSNorm with the ``(1 + weight)`` convention; RoPE on the first ``partial_rotary_factor *
   head_dim`` dims of each head only.
 * MoE: softmax top-k (always renormalised) through ``ember.ops.moe``, plus a shared SwiGLU expert
-  scaled by ``sigmoid(shared_expert_gate(h))``. By default at load (bf16/fp16 weights, shared width =
+  scaled by ``sigmoid(shared_expert_gate(h))``. By default at load (float or fp8 weights, shared width =
   expert width; ``EMBER_FOLD_SHARED_EXPERT=0`` keeps it apart) the shared expert is stored as expert E
-  and its gate as
-  router row E, so one routing launch and the two expert GEMVs do it all (``FoldedSharedMoe``).
+  and its gate as router row E, so one routing launch and the two expert GEMVs do it all
+  (``FoldedSharedMoe``).
 * Norms (input, post-attention, final, q/k): ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` in float32;
   ember stores ``1 + weight`` in float32 so its RMSNorm computes exactly that.
 
@@ -205,33 +205,70 @@ class FoldedSharedMoe(nn.Module):
     Qwen3.5-35B-A3B bf16 decode from 243 to 299 tok/s (279 -> 354 with the fused DeltaNet mixer).
     """
 
-    def __init__(self, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int):
+    def __init__(self, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+                 gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None):
         super().__init__()
         self.router = nn.Parameter(router, requires_grad=False)              # [E + 1, H]
         self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=False)        # [E + 1, 2I, H]
         self.w_down = nn.Parameter(w_down, requires_grad=False)              # [E + 1, H, I]
+        # fp8 experts: row scales [E + 1, 2I] / [E + 1, H] or 128-block scales, as ember.ops.moe takes them
+        self.gate_up_scale = None if gate_up_scale is None else nn.Parameter(gate_up_scale, requires_grad=False)
+        self.down_scale = None if down_scale is None else nn.Parameter(down_scale, requires_grad=False)
         self.top_k = top_k
         self.experts_read = top_k + 1  # per token: the routed ones and the shared one
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])
         w, ids = moe_ops.moe_route_hidden(x, self.router, self.top_k, renormalize=True, shared_expert_gate=True)
-        y = moe_ops.moe_experts(x, self.w_gate_up, self.w_down, w, ids, check=False)
+        y = moe_ops.moe_experts(x, self.w_gate_up, self.w_down, w, ids, gate_up_scale=self.gate_up_scale,
+                                down_scale=self.down_scale, check=False)
         return y.reshape(h.shape)
 
 
 def fold_shared_expert(moe: SharedExpertMoe) -> FoldedSharedMoe | None:
-    """The folded form of ``moe``, or None when it does not apply (FP8 weights, a shared expert of
-    another width, or linears that are not plain weights)."""
+    """The folded form of ``moe``, or None when it does not apply (a shared expert of another width,
+    biases, activation quantization, or fp8 scales of another granularity than the routed experts')."""
     r, sh = moe.routed, moe.shared
-    if r.gate_up_scale is not None or type(sh.gate_up) is not _common.Linear or type(sh.down) is not _common.Linear:
-        return None
+    if r.gate_up_scale is None:
+        if type(sh.gate_up) is not _common.Linear or type(sh.down) is not _common.Linear:
+            return None
+        scales = None
+    else:
+        scales = _shared_fp8_scales(r, sh)
+        if scales is None:
+            return None
     gu, dn = sh.gate_up.weight, sh.down.weight
     if sh.gate_up.bias is not None or sh.down.bias is not None or gu.shape != r.w_gate_up.shape[1:] \
-            or dn.shape != r.w_down.shape[1:] or gu.dtype != r.w_gate_up.dtype:
+            or dn.shape != r.w_down.shape[1:] or gu.dtype != r.w_gate_up.dtype or dn.dtype != r.w_down.dtype:
         return None
+    gate_up_scale = down_scale = None
+    if scales is not None:
+        gate_up_scale = torch.cat([r.gate_up_scale, scales[0][None]])
+        down_scale = torch.cat([r.down_scale, scales[1][None]])
     return FoldedSharedMoe(torch.cat([r.router, moe.shared_gate.to(r.router.dtype)]),
-                           torch.cat([r.w_gate_up, gu[None]]), torch.cat([r.w_down, dn[None]]), r.top_k)
+                           torch.cat([r.w_gate_up, gu[None]]), torch.cat([r.w_down, dn[None]]), r.top_k,
+                           gate_up_scale, down_scale)
+
+
+def _shared_fp8_scales(routed: qwen3_moe.SparseMoe, shared: _common.DenseMLP):
+    """The shared expert's fp8 weight scales in the routed experts' per-expert layout (row: [2I], [H];
+    128-block: [2I/128, H/128], [H/128, I/128]), or None when they do not match."""
+    from ember.nn import Fp8Linear
+    out = []
+    for lin, ref in ((shared.gate_up, routed.gate_up_scale), (shared.down, routed.down_scale)):
+        if type(lin) is not Fp8Linear or lin.activations is not None or lin.granularity == "tensor":
+            return None
+        s = lin.weight_scale
+        if ref.dim() == 2:  # per row
+            if lin.granularity != "row":
+                return None
+            s = s.reshape(-1)
+        elif lin.granularity != "block":
+            return None
+        if s.shape != ref.shape[1:]:
+            return None
+        out.append(s.to(ref.dtype))
+    return out
 
 
 # ----------------------------------------------------------------------------- config

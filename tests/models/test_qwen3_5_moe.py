@@ -414,6 +414,41 @@ def test_fold_skipped_when_the_shared_expert_is_wider(pair, monkeypatch):
     assert all(isinstance(layer.mlp, qwen3_5_moe.SharedExpertMoe) for layer in net.layers)
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "interpreter"])
+def test_folded_fp8_shared_expert_matches_unfolded(monkeypatch, tmp_path, kernels):
+    """FP8 on load (row scales): the shared expert folds in with its own scales as expert E, giving the
+    unfolded fp8 block's logits up to fp32 summation order (through the Triton kernels too)."""
+    if kernels:
+        monkeypatch.setenv("EMBER_FORCE_TRITON", "1")
+    build_hf("text", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+             shared_expert_intermediate_size=32).save_pretrained(tmp_path)
+    nets = {}
+    for fold in ("0", "1"):
+        monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", fold)
+        nets[fold] = build_net(tmp_path, qwen3_5_moe, fp8=True)
+    folded = [layer.mlp for layer in nets["1"].layers]
+    assert all(isinstance(m, qwen3_5_moe.FoldedSharedMoe) and m.gate_up_scale is not None for m in folded)
+    assert folded[0].gate_up_scale.shape[0] == folded[0].w_gate_up.shape[0] == 5
+    assert isinstance(nets["0"].layers[0].mlp, qwen3_5_moe.SharedExpertMoe)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        unfolded_logits, folded_logits = nets["0"].prefill(ids), nets["1"].prefill(ids)
+    assert close(folded_logits, unfolded_logits, rel=1e-5)
+
+
+def test_fp8_fold_needs_matching_scale_layouts(monkeypatch, tmp_path):
+    """Routed experts with row scales and a shared expert with 128-block scales: not folded."""
+    from ember.nn import Fp8Linear
+    build_hf("text", shared_expert_intermediate_size=32).save_pretrained(tmp_path)
+    monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", "0")
+    moe = build_net(tmp_path, qwen3_5_moe, fp8=True).layers[0].mlp
+    assert qwen3_5_moe.fold_shared_expert(moe) is not None
+    gu = moe.shared.gate_up
+    moe.shared.gate_up = Fp8Linear.from_fp8(gu.weight, torch.ones(1, 1), dtype=torch.float32)  # one 128-block
+    assert moe.shared.gate_up.granularity == "block"
+    assert qwen3_5_moe.fold_shared_expert(moe) is None
+
+
 def test_folded_shared_expert_kernels_interpreter(interpreter, monkeypatch, tmp_path):
     """Through the Triton kernels (router with the gate row, 3 experts per token): same tokens as the
     unfolded model, logits within fp32 summation-order differences."""

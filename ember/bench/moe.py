@@ -91,12 +91,12 @@ def hf_decode_tok_s(model, ids, new_tokens, **kw) -> float:
     return new_tokens / ((t2 - t1) - (t1 - t0))
 
 
-def hf_static_compiled_tok_s(model, ids, new_tokens) -> tuple[float, float]:
+def hf_static_compiled_tok_s(model, ids, new_tokens, **kw) -> tuple[float, float]:
     """HF static cache + auto torch.compile: two identical generates (the first compiles; a different
     max_new_tokens would size a new static cache and recompile). Rate of the second, prefill included,
     as shared/reference/baseline_h200.py measures it."""
     kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1,
-              cache_implementation="static")
+              cache_implementation="static", **kw)
     with torch.no_grad():
         t0 = time.perf_counter()
         model.generate(ids, **kw)

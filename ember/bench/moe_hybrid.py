@@ -180,7 +180,7 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
         try:
             if impl == "static_compiled":
                 hf_figs[impl], extra_hf["hf_static_compiled_first_call_s"] = moe_bench.hf_static_compiled_tok_s(
-                    hf, ids[:, :32], HF_NEW)
+                    hf, ids[:, :32], HF_NEW, attention_mask=torch.ones_like(ids[:, :32]))
                 continue
             if impl != "default":
                 hf.set_experts_implementation(impl)
@@ -205,11 +205,12 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
             extra = dict(extra_hf, prefill_s=r["prefill_s"], warmup_s=r["capture_s"], load_s=load_s,
                          floor_ms=floor_ms, roofline_tok_s=1e3 / floor_ms,
                          fraction_of_roofline=r["tok_s"] * floor_ms / 1e3, prompt=prompt, decode_steps=steps)
-            if not fp8 and ctx.on_gpu and VARIANTS.get(kind):
+            variants_on = os.environ.get("EMBER_BENCH_VARIANTS", "1") != "0"  # 0: rows only (device time)
+            if not fp8 and ctx.on_gpu and variants_on and VARIANTS.get(kind):
                 extra["tok_s_variants"] = {v: _variant_tok_s(net, ids, steps, env) for v, env in VARIANTS[kind].items()}
                 print(f"{name} variants (tok/s):", extra["tok_s_variants"], flush=True)
             del net
-            if not fp8 and ctx.on_gpu and BUILD_VARIANTS.get(kind):
+            if not fp8 and ctx.on_gpu and variants_on and BUILD_VARIANTS.get(kind):
                 torch.cuda.empty_cache()
                 variants = extra.setdefault("tok_s_variants", {})
                 for v, env in BUILD_VARIANTS[kind].items():

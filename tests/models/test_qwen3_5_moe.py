@@ -420,17 +420,26 @@ def test_folded_fp8_shared_expert_matches_unfolded(monkeypatch, tmp_path, kernel
     unfolded fp8 block's logits up to fp32 summation order (through the Triton kernels too)."""
     if kernels:
         monkeypatch.setenv("EMBER_FORCE_TRITON", "1")
+    _assert_fp8_fold_matches_unfolded(monkeypatch, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_folded_fp8_shared_expert_matches_unfolded(cuda, monkeypatch, tmp_path):
+    _assert_fp8_fold_matches_unfolded(monkeypatch, tmp_path, cuda)
+
+
+def _assert_fp8_fold_matches_unfolded(monkeypatch, tmp_path, device):
     build_hf("text", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
              shared_expert_intermediate_size=32).save_pretrained(tmp_path)
     nets = {}
     for fold in ("0", "1"):
         monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", fold)
-        nets[fold] = build_net(tmp_path, qwen3_5_moe, fp8=True)
+        nets[fold] = build_net(tmp_path, qwen3_5_moe, fp8=True, device=device)
     folded = [layer.mlp for layer in nets["1"].layers]
     assert all(isinstance(m, qwen3_5_moe.FoldedSharedMoe) and m.gate_up_scale is not None for m in folded)
     assert folded[0].gate_up_scale.shape[0] == folded[0].w_gate_up.shape[0] == 5
     assert isinstance(nets["0"].layers[0].mlp, qwen3_5_moe.SharedExpertMoe)
-    ids = torch.randint(0, VOCAB, (2, 9))
+    ids = torch.randint(0, VOCAB, (2, 9), device=device)
     with torch.no_grad():
         unfolded_logits, folded_logits = nets["0"].prefill(ids), nets["1"].prefill(ids)
     assert close(folded_logits, unfolded_logits, rel=1e-5)

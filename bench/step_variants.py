@@ -5,7 +5,7 @@ sized to the request (max_seq_len 400) and ember.load's default (4096, where mos
 are empty). An earlier version of this script swept the bf16 GEMV tiles of the attention projections
 (bench/results/h200/step_variants.json; those tiles are now gemv.MEASURED_2BYTE).
 
-    python bench/step_variants.py OUT_JSON
+    python bench/step_variants.py OUT_JSON [NAME,NAME,...] [SIZE,SIZE,...]   # optional subsets
 """
 import json
 import sys
@@ -15,13 +15,15 @@ import torch
 from ember.bench import env_vars, moe as moe_bench
 
 
-def main(path: str) -> None:
+def main(path: str, names: list[str] | None = None, sizes: tuple[int, ...] = (400, 4096)) -> None:
     hf, cfg = moe_bench.make_hf(False, torch.device("cuda"))
     em = moe_bench.ember_from_hf(hf, cfg, max_seq_len=400, table_len=4096)
     ids = torch.randint(100, 1000, (1, 128))
     steps = {}
-    for max_seq_len in (400, 4096):
+    for max_seq_len in sizes:
         for name, env in moe_bench.STEP_VARIANTS.items():
+            if names and name not in names:
+                continue
             key = f"{name}@{max_seq_len}"
             try:
                 with env_vars(env):
@@ -38,4 +40,5 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else None,
+         tuple(int(v) for v in sys.argv[3].split(",")) if len(sys.argv) > 3 else (400, 4096))

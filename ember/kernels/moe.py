@@ -276,15 +276,18 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, logits_ptr, ids_ptr, tw_ptr, h
 
 
 @triton.jit
-def _down_slice(acc, h_ptr, pair, weight, w_base, rows, row_mask, row_s, k0, scale_ptr, e,
-                stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+def _down_tile(w_base, rows, row_mask, k0, stride_wn, stride_wk, I: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_base + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                   mask=row_mask[:, None] & (offs_k < I)[None, :], other=0.0)
+
+
+@triton.jit
+def _down_slice(acc, w, h_ptr, pair, weight, rows, row_mask, row_s, k0, scale_ptr, e, stride_se, stride_sn, stride_sk,
                 I: tl.constexpr, SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < I
-    hv = tl.load(h_ptr + pair * I + offs_k, mask=k_mask, other=0.0).to(tl.float32) * weight
-    w = tl.load(w_base + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk,
-                mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-    prod = w * hv[None, :]
+    hv = tl.load(h_ptr + pair * I + offs_k, mask=offs_k < I, other=0.0).to(tl.float32) * weight
+    prod = w.to(tl.float32) * hv[None, :]
     if SCALE == 1:
         prod *= row_s[:, None]
     if SCALE == 2:
@@ -297,30 +300,55 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
                       stride_out, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                       H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N output rows; no atomics."""
-    pdl_start(PDL)
+                      IDS_BEFORE: tl.constexpr, PDL: tl.constexpr = False):
+    """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N output rows; no atomics.
+
+    IDS_BEFORE (the ids were written before the gate_up GEMV ran, i.e. not by its fused routing; off
+    with EMBER_MOE_DOWN_PREFETCH=0, read per call):
+    before waiting for the previous kernel (gate_up, whose h this reads) it loads the expert ids and
+    routing weights (finished by now, see _common.pdl_start; volatile: around L1) and the first
+    expert's first weight tile, so the ids -> weights latency chain overlaps gate_up's tail."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
+    if IDS_BEFORE:
+        e0 = tl.load(ids_ptr + t * TOP_K, volatile=True).to(tl.int64)
+        weight0 = tl.load(tw_ptr + t * TOP_K, volatile=True).to(tl.float32)
+        w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
+        pdl_start(PDL)
+    else:
+        pdl_start(PDL)
+        e0 = tl.load(ids_ptr + t * TOP_K).to(tl.int64)
+        weight0 = tl.load(tw_ptr + t * TOP_K).to(tl.float32)
+        w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = t * TOP_K + j
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(tw_ptr + pair).to(tl.float32)
+        if j == 0:
+            e = e0
+            weight = weight0
+            w = w0
+        else:
+            e = tl.load(ids_ptr + pair).to(tl.int64)
+            weight = tl.load(tw_ptr + pair).to(tl.float32)
+            w = _down_tile(w_ptr + e * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
         w_base = w_ptr + e * stride_we
         row_s = rows.to(tl.float32)  # placeholder when there is no row scale
         if SCALE == 1:
             row_s = _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn)
+        acc = _down_slice(acc, w, h_ptr, pair, weight, rows, row_mask, row_s, 0, scale_ptr, e, stride_se, stride_sn,
+                          stride_sk, I, SCALE, BLOCK_K)
         if UNROLL:
-            for k0 in tl.static_range(0, I, BLOCK_K):
-                acc = _down_slice(acc, h_ptr, pair, weight, w_base, rows, row_mask, row_s, k0, scale_ptr, e,
-                                  stride_wn, stride_wk, stride_se, stride_sn, stride_sk, I, SCALE, BLOCK_K)
+            for k0 in tl.static_range(BLOCK_K, I, BLOCK_K):
+                w = _down_tile(w_base, rows, row_mask, k0, stride_wn, stride_wk, I, BLOCK_K)
+                acc = _down_slice(acc, w, h_ptr, pair, weight, rows, row_mask, row_s, k0, scale_ptr, e, stride_se,
+                                  stride_sn, stride_sk, I, SCALE, BLOCK_K)
         else:
-            for k0 in range(0, I, BLOCK_K):
-                acc = _down_slice(acc, h_ptr, pair, weight, w_base, rows, row_mask, row_s, k0, scale_ptr, e,
-                                  stride_wn, stride_wk, stride_se, stride_sn, stride_sk, I, SCALE, BLOCK_K)
+            for k0 in range(BLOCK_K, I, BLOCK_K):
+                w = _down_tile(w_base, rows, row_mask, k0, stride_wn, stride_wk, I, BLOCK_K)
+                acc = _down_slice(acc, w, h_ptr, pair, weight, rows, row_mask, row_s, k0, scale_ptr, e, stride_se,
+                                  stride_sn, stride_sk, I, SCALE, BLOCK_K)
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t * stride_out + rows, round_to(out, out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -722,7 +750,7 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
     _down_gemv_kernel[(T, triton.cdiv(H, bn))](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, H=H, I=I,
         TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"], num_warps=cfg["num_warps"],
-        **_pdl(x.device))
+        IDS_BEFORE=not fused and os.environ.get("EMBER_MOE_DOWN_PREFETCH", "1") != "0", **_pdl(x.device))
     return out
 
 

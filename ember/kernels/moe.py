@@ -307,7 +307,8 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
     with EMBER_MOE_DOWN_PREFETCH=0, read per call):
     before waiting for the previous kernel (gate_up, whose h this reads) it loads the expert ids and
     routing weights (finished by now, see _common.pdl_start; volatile: around L1) and the first
-    expert's first weight tile, so the ids -> weights latency chain overlaps gate_up's tail."""
+    expert's first weight tile, so the ids -> weights latency chain overlaps gate_up's tail. H200
+    Qwen3-30B-A3B decode step: 2.653 vs 2.677 ms without (bench/step_variants.py)."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)

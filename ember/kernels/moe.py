@@ -776,8 +776,8 @@ def t1_variant(device: torch.device, fp8: bool = False) -> str:
 def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
     """BLOCK_N, LANES, VEC, num_warps of the v2 T=1 kernels for weight ``[E, N, K]``.
 
-    Why v2 (sm_90 PTX/SASS of the v1 kernels, triton 3.6, Qwen3-30B-A3B: H=2048, I=768, k=8; unmeasured
-    on the GPU so far). Floor: 8 x 3 x 2048 x 768 weights = 75.5 MB bf16 -> 18.2 us, 37.7 MB fp8 -> 9.1
+    Why v2 (from the sm_90 PTX/SASS of the v1 kernels, triton 3.6, Qwen3-30B-A3B: H=2048, I=768, k=8;
+    written before it ran on the GPU, measured results below). Floor: 8 x 3 x 2048 x 768 weights = 75.5 MB bf16 -> 18.2 us, 37.7 MB fp8 -> 9.1
     us (measured v1: 28.3 and 31.9 us). v1 loads the weight tiles straight into registers (16-byte
     LDG.128; 8-byte LDG.64 for fp8 with 128x128 block scales, BLOCK_K=128), but the activation
     slice of every K step (x or h, a 1-D load) is converted to the tile's layout through shared

@@ -120,7 +120,7 @@ class Attention(nn.Module):
                sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """h [B, H], one token per row at ``positions`` [B] -> [B, H]; appends k, v to the cache."""
         c = self.cfg
-        fused = os.environ.get("EMBER_FUSED_QKV", "0") == "1"  # read per call; opt-in until timed on the GPU
+        fused = os.environ.get("EMBER_FUSED_QKV", "0") == "1"  # read per call; opt-in: measured slower
         if fused and type(self.qkv) is Linear and self.qkv.bias is None and h.shape[0] <= 8:
             # projection + q/k norm + RoPE + cache write in one launch (ember.ops.attention)
             q = attn_ops.qkv_proj_norm_rope_cache(h, self.qkv.weight, self.q_norm, self.k_norm, cos, sin, positions,

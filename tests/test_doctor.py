@@ -47,6 +47,16 @@ def test_old_gpu_says_why_fp8_tensor_cores_are_off(monkeypatch):
     monkeypatch.setattr(doc, "probe_triton", _triton_ok)
     r = doc.doctor()
     assert any("need compute capability >= 8.9" in n and "A100" in n for n in r["notes"])
+    assert any("launch one after another" in n and ">= 9.0" in n for n in r["notes"])
+
+
+def test_dependent_launch_note_follows_the_switch(monkeypatch):
+    monkeypatch.setattr(doc, "probe_cuda", lambda: _cuda())
+    monkeypatch.setattr(doc, "probe_triton", _triton_ok)
+    monkeypatch.delenv("EMBER_PDL", raising=False)
+    assert any("overlap their launches" in n for n in doc.doctor()["notes"])
+    monkeypatch.setenv("EMBER_PDL", "0")
+    assert any("EMBER_PDL=0" in n and "one after another" in n for n in doc.doctor()["notes"])
 
 
 def test_driver_too_old_is_reported(monkeypatch):

@@ -115,3 +115,9 @@ def use_pdl(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("EMBER_PDL", "1") == "0":
         return False
     return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch keywords of a kernel with a ``PDL`` constexpr: ``PDL`` and Triton's ``launch_pdl``."""
+    pdl = use_pdl(device)
+    return dict(PDL=pdl, launch_pdl=pdl)

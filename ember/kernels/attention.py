@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, round_to, pdl_start, use_pdl
+from ember.kernels._common import arrival_counters, pdl_options, pdl_start, round_to
 
 
 @triton.jit
@@ -59,12 +59,11 @@ def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cach
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
-    pdl = use_pdl(qkv.device)
     _qk_norm_rope_cache_kernel[(B, NH + KVH)](
         qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
-        NH=NH, KVH=KVH, D=D, num_warps=1, PDL=pdl, launch_pdl=pdl)
+        NH=NH, KVH=KVH, D=D, num_warps=1, **pdl_options(qkv.device))
 
 
 @triton.jit
@@ -257,16 +256,16 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
     lse = torch.empty(B, NH, nsplit, dtype=torch.float32, device=q.device)
     fused = one_launch(nsplit)
     cnt = arrival_counters("decode_attention", q.device, B * KVH) if fused else lse
-    pdl = use_pdl(q.device)
+    pdl = pdl_options(q.device)
     _decode_attention_split_kernel[(B, KVH, nsplit)](
         q, k_cache, v_cache, seq_lens, part, lse, scale, S,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         cnt, out, NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), GC=gc, BLOCK_N=block_n,
         NSPLIT=nsplit, NSB=nsb, IEEE=q.dtype == torch.float32, FUSED_COMBINE=fused, num_warps=4,
-        PDL=pdl, launch_pdl=pdl)
+        **pdl)
     if not fused:
         _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1,
-                                                  PDL=pdl, launch_pdl=pdl)
+                                                  **pdl)
 
 
 @triton.jit

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to, pdl_start, use_pdl
+from ember.kernels._common import pdl_options, pdl_start, round_to
 
 
 @triton.jit
@@ -87,8 +87,7 @@ def causal_conv1d(x, weight, bias, state, y, silu: bool, gate_in=None, gate_out=
     n_t = triton.cdiv(T, BLOCK_T)
     common = dict(K=K, HAS_BIAS=bias is not None, HAS_STATE=state is not None, SILU=silu,
                   GATE_IN=gate_in is not None, GATE_OUT=gate_out is not None, BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T)
-    pdl = use_pdl(x.device)
-    common.update(PDL=pdl, launch_pdl=pdl)
+    common.update(pdl_options(x.device))
     st = state if state is not None else y
     sst = state.stride() if state is not None else (0, 0, 0)
     gi = gate_in if gate_in is not None else x

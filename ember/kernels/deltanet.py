@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to, sigmoid_f32, softplus_f32, pdl_start, use_pdl
+from ember.kernels._common import pdl_options, pdl_start, round_to, sigmoid_f32, softplus_f32
 
 
 @triton.jit
@@ -79,7 +79,6 @@ def gated_delta_rule(q, k, v, g, beta, state, out, *, scale: float, l2norm: bool
     BLOCK_K = triton.next_power_of_2(DK)
     BLOCK_V = min(32, triton.next_power_of_2(DV))  # 128x32 fp32 tile: 32 registers a thread at 4 warps
     grid = (B * HV, triton.cdiv(DV, BLOCK_V))
-    pdl = use_pdl(q.device)
     _gated_delta_rule_kernel[grid](
         q, k, v, g, beta, state, out, dt_bias if dt_bias is not None else g, neg_a if neg_a is not None else g,
         T, HV, HV // HK, scale,
@@ -87,4 +86,4 @@ def gated_delta_rule(q, k, v, g, beta, state, out, *, scale: float, l2norm: bool
         *out.stride()[:3],
         DK=DK, DV=DV, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, L2NORM=l2norm, HAS_STATE=has_state,
         RAW_G=dt_bias is not None, RAW_BETA=raw_beta, LIBDEVICE=q.device.type == "cuda", num_warps=4,
-        PDL=pdl, launch_pdl=pdl)
+        **pdl_options(q.device))

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to, pdl_start, use_pdl
+from ember.kernels._common import pdl_options, pdl_start, round_to
 
 SCALE_BLOCK = 128  # fp8 block scales: 128x128 weight blocks, 1x128 activation blocks
 ROW_BYTES = 512  # K bytes one warp loads per row and step: 32 threads x 16-byte vectors
@@ -200,7 +200,6 @@ def launch(a: torch.Tensor, stride_ak: int, b: torch.Tensor, stride_bn: int, N: 
     bn, chunks, kw = cfg["BLOCK_N"], cfg["CHUNKS"], cfg["KW"]
     if k_blocked and kw != SCALE_BLOCK:
         raise ValueError(f"config: 128-block scales need KW == {SCALE_BLOCK}, got {kw}")
-    pdl = use_pdl(out.device)
     gemv_kernel[(triton.cdiv(N, bn),)](
         a, b, scale_a if scale_a is not None else b, scale_b if scale_b is not None else b,  # unused pointers
         bias if bias is not None else out, out, N, K,
@@ -208,7 +207,7 @@ def launch(a: torch.Tensor, stride_ak: int, b: torch.Tensor, stride_bn: int, N: 
         A_SCALED=scale_a is not None, B_SCALED=scale_b is not None, K_BLOCKED=k_blocked,
         SB_N_GROUP=sb_n_group, HAS_BIAS=bias is not None,
         BLOCK_N=bn, CHUNKS=chunks, KW=kw, EVEN_N=N % bn == 0, EVEN_K=K % (chunks * kw) == 0,
-        num_warps=cfg["num_warps"], num_stages=1, PDL=pdl, launch_pdl=pdl)
+        num_warps=cfg["num_warps"], num_stages=1, **pdl_options(out.device))
     return out
 
 

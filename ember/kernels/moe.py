@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, round_to, pdl_start, use_pdl
+from ember.kernels._common import arrival_counters, pdl_options, pdl_start, round_to
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -650,12 +650,6 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
 ROUTER_MAX_TOKENS = 64
 
 
-def _pdl(device: torch.device) -> dict:
-    """Launch options of the decode kernels: programmatic dependent launch where available."""
-    pdl = use_pdl(device)
-    return dict(PDL=pdl, launch_pdl=pdl)
-
-
 def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
                  scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0,
                  shared_expert_gate: bool = False):
@@ -692,7 +686,7 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
         E, H, x.stride(0), n_prog, TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), num_warps=4,
-        **_pdl(x.device))
+        **pdl_options(x.device))
     return w, ids
 
 
@@ -744,14 +738,14 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
         logits.stride(0) if fused else 0, *w_gate_up.stride(), gse, gsn, gsk, H=H, I=I,
         TOP_K=top_k, FUSED_ROUTE=fused, RENORM=renormalize, SCALE=mode, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_KK=triton.next_power_of_2(top_k), BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"],
-        num_warps=cfg["num_warps"], **_pdl(x.device))
+        num_warps=cfg["num_warps"], **pdl_options(x.device))
     cfg = _config("gemv_down", x.device)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     bn, bk = cfg["BLOCK_N"], _sub_k(mode, cfg["BLOCK_K"])
     _down_gemv_kernel[(T, triton.cdiv(H, bn))](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, H=H, I=I,
         TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"], num_warps=cfg["num_warps"],
-        IDS_BEFORE=not fused and os.environ.get("EMBER_MOE_DOWN_PREFETCH", "1") != "0", **_pdl(x.device))
+        IDS_BEFORE=not fused and os.environ.get("EMBER_MOE_DOWN_PREFETCH", "1") != "0", **pdl_options(x.device))
     return out
 
 
@@ -847,13 +841,13 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out):
     _gate_up_gemv_v2_kernel[(T * top_k, triton.cdiv(I, cfg["BLOCK_N"]))](
         x, w_gate_up, gs_t, ids, h, x.stride(0), *w_gate_up.stride(), gse, gsn, gsk, H=H, I=I, TOP_K=top_k,
         SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
-        num_warps=cfg["num_warps"], num_stages=1, **_pdl(x.device))
+        num_warps=cfg["num_warps"], num_stages=1, **pdl_options(x.device))
     cfg = _t1_v2_config("gemv_v2_down", w_down, I)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     _down_gemv_v2_kernel[(T, triton.cdiv(H, cfg["BLOCK_N"]))](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, H=H, I=I, TOP_K=top_k,
         SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
-        num_warps=cfg["num_warps"], num_stages=1, **_pdl(x.device))
+        num_warps=cfg["num_warps"], num_stages=1, **pdl_options(x.device))
     return out
 
 

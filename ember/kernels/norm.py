@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import round_to, silu_f32, pdl_start, use_pdl
+from ember.kernels._common import pdl_options, pdl_start, round_to, silu_f32
 
 
 @triton.jit
@@ -67,12 +67,11 @@ def add_rmsnorm(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.
         return
     block, num_warps = _launch_config(H)
     has_res = residual2 is not None
-    pdl = use_pdl(x2.device)
     _add_rmsnorm_kernel[(M,)](
         x2, residual2 if has_res else x2, weight, out, new_residual if has_res else out,
         x2.stride(0), residual2.stride(0) if has_res else 0, out.stride(0),
         new_residual.stride(0) if has_res else 0,
-        H, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps, PDL=pdl, launch_pdl=pdl)
+        H, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps, **pdl_options(x2.device))
 
 
 def rmsnorm_gated(x3: torch.Tensor, z3: torch.Tensor, weight: torch.Tensor, eps: float, out3: torch.Tensor) -> None:
@@ -81,8 +80,7 @@ def rmsnorm_gated(x3: torch.Tensor, z3: torch.Tensor, weight: torch.Tensor, eps:
     if M * G == 0:
         return
     block, num_warps = _launch_config(H)  # the same as add_rmsnorm's: the same reduction order
-    pdl = use_pdl(x3.device)
     _rmsnorm_gated_kernel[(M * G,)](
         x3, z3, weight, out3, G, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
         out3.stride(0), out3.stride(1), H, eps, BLOCK=block, LIBDEVICE=x3.device.type == "cuda",
-        num_warps=num_warps, PDL=pdl, launch_pdl=pdl)
+        num_warps=num_warps, **pdl_options(x3.device))

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import pdl_start, use_pdl
+from ember.kernels._common import pdl_options, pdl_start
 
 ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
@@ -616,15 +616,13 @@ def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
     B, V = x2.shape
     if V <= ROW_BLOCK_MAX:
         block = triton.next_power_of_2(V)
-        pdl = use_pdl(x2.device)
-        _argmax_row_kernel[(B,)](x2, out, x2.stride(0), V, BLOCK=block, num_warps=_warps(block), PDL=pdl,
-                                 launch_pdl=pdl)
+        _argmax_row_kernel[(B,)](x2, out, x2.stride(0), V, BLOCK=block, num_warps=_warps(block),
+                                 **pdl_options(x2.device))
         return
     chunk, P, _ = _split(V)
     _, best, count = _workspace(x2.device, B)
-    pdl = use_pdl(x2.device)
     _argmax_split_kernel[(B, P)](x2, out, x2.stride(0), V, P, best, count, CHUNK=chunk, num_warps=_warps(chunk),
-                                 PDL=pdl, launch_pdl=pdl)
+                                 **pdl_options(x2.device))
 
 
 def _param(v, dtype_scalar):

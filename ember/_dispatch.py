@@ -69,6 +69,12 @@ def kernels(family: str) -> ModuleType:
     return importlib.import_module(f"ember.kernels.{family}")
 
 
+def pdl_allowed() -> bool:
+    """EMBER_PDL is not "0": decode kernels may use programmatic dependent launch (where the GPU has
+    it, sm_90+; read per call, so also while a CUDA graph is captured)."""
+    return os.environ.get("EMBER_PDL", "1") != "0"
+
+
 def compiling() -> bool:
     """True while torch.compile / dynamo traces the caller."""
     return torch.compiler.is_compiling()

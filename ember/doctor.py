@@ -11,7 +11,6 @@ Example:
 from __future__ import annotations
 
 import importlib
-import os
 import platform
 import sys
 import warnings
@@ -138,12 +137,11 @@ def doctor() -> dict:
         else:
             notes.append(f"{d['name']} (sm_{cc[0]}{cc[1]}): FP8 tensor-core kernels need compute capability >= 8.9; "
                          "FP8 weights are upcast in the kernel instead")
-    for d in cuda["devices"]:  # the decode kernels' programmatic dependent launch (kernels._common.use_pdl)
-        cc = tuple(d["capability"])
+        # the decode kernels' programmatic dependent launch (kernels._common.use_pdl)
         if cc < PDL_MIN_CC:
             notes.append(f"{d['name']} (sm_{cc[0]}{cc[1]}): decode kernels launch one after another "
                          "(overlapped launches need compute capability >= 9.0)")
-        elif os.environ.get("EMBER_PDL", "1") == "0":
+        elif not _dispatch.pdl_allowed():
             notes.append(f"{d['name']}: EMBER_PDL=0: decode kernels launch one after another")
         else:
             notes.append(f"{d['name']}: decode kernels overlap their launches (programmatic dependent launch; "

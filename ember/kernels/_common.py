@@ -1,13 +1,14 @@
 """Small helpers shared by kernel families: @triton.jit math, the arrival counters of the
 "last program to arrive finishes the work" kernels, and programmatic dependent launch."""
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ember import _dispatch
 
 # Arrival counters, per (purpose, device, stream): zero between launches (the program that arrives
 # last resets its slot), so no memset launch per call. If the first use is during CUDA-graph
@@ -112,7 +113,7 @@ def _supports_pdl(device_index: int) -> bool:
 def use_pdl(device: torch.device) -> bool:
     """Whether to launch with programmatic dependent launch on ``device``: CUDA, sm_90 or newer, and
     EMBER_PDL not "0" (read per call, so also while a CUDA graph is captured)."""
-    if device.type != "cuda" or os.environ.get("EMBER_PDL", "1") == "0":
+    if device.type != "cuda" or not _dispatch.pdl_allowed():
         return False
     return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 

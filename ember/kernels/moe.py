@@ -8,9 +8,10 @@ Three paths, picked by the token count T (all capturable: no host syncs, shapes 
   The gate_up GEMV can also recompute the routing itself (``moe_t1: FUSED_ROUTE``, saving a launch),
   but on the H200 that measured 30.6 us/layer against 28.2 us with the separate route kernel: the
   top-k reductions delay every program's first weight load.
-  The default T=1 kernels are v2 (``_gate_up_gemv_v2_kernel``, ``_down_gemv_v2_kernel``: no
-  shared-memory layout conversion in the K loop; analysis and H200 figures at ``_t1_v2_config``);
-  ``EMBER_MOE_T1=v1`` (or ``moe_t1: GEMV``) selects the v1 kernels described above.
+  fp8 weights take the v2 T=1 kernels by default (``_gate_up_gemv_v2_kernel``,
+  ``_down_gemv_v2_kernel``: no shared-memory layout conversion in the K loop; analysis and H200
+  figures at ``_t1_v2_config``), bf16 the v1 kernels above (faster in the decode step once launches
+  overlap, see GPU_CONFIG); ``EMBER_MOE_T1=v1|v2`` forces either.
 * 2 <= T <= 16 (batched decode): the program of pair (t, j) serves expert ``ids[t, j]`` if that pair is
   the expert's first occurrence and exits otherwise, so each selected expert's weights are read once
   for all the tokens routed to it; tokens are rows of a 16-row ``tl.dot``. The down projection adds
@@ -313,16 +314,13 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
+    if not IDS_BEFORE:
+        pdl_start(PDL)
+    e0 = tl.load(ids_ptr + t * TOP_K, volatile=IDS_BEFORE).to(tl.int64)
+    weight0 = tl.load(tw_ptr + t * TOP_K, volatile=IDS_BEFORE).to(tl.float32)
+    w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
     if IDS_BEFORE:
-        e0 = tl.load(ids_ptr + t * TOP_K, volatile=True).to(tl.int64)
-        weight0 = tl.load(tw_ptr + t * TOP_K, volatile=True).to(tl.float32)
-        w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
         pdl_start(PDL)
-    else:
-        pdl_start(PDL)
-        e0 = tl.load(ids_ptr + t * TOP_K).to(tl.int64)
-        weight0 = tl.load(tw_ptr + t * TOP_K).to(tl.float32)
-        w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = t * TOP_K + j
@@ -431,7 +429,8 @@ def _gate_up_gemv_v2_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, stride_x,
         else:
             acc_g += wg * xv
             acc_u += wu * xv
-    _store_silu_mul(acc_g, acc_u, h_ptr, pair, rows, row_mask, scale_ptr, e, stride_se, stride_sn, I, SCALE)  # the one cross-lane reduction
+    # the one cross-lane reduction
+    _store_silu_mul(acc_g, acc_u, h_ptr, pair, rows, row_mask, scale_ptr, e, stride_se, stride_sn, I, SCALE)
 
 
 @triton.jit
@@ -600,8 +599,9 @@ def _down_grouped_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, sorted_pairs_
 
 # ============================================================================ launch helpers
 # Prefill tiles for bf16/fp16 activations on GPUs with >= 200 KB of shared memory per block
-# (H100/H200: 227 KB): 4 stages of 128-wide N tiles need 192 KB (fp32 activations: 240 KB, too much). H200, 2048-token bf16 prefill at Qwen3-30B-A3B shapes
-# (ember.bench.moe_ops.sweep): 704 us vs 741 us for GPU_CONFIG's tiles.
+# (H100/H200: 227 KB): 4 stages of 128-wide N tiles need 192 KB (fp32 activations: 240 KB, too
+# much). H200, 2048-token bf16 prefill at Qwen3-30B-A3B shapes (ember.bench.moe_ops.sweep): 704 us
+# vs 741 us for GPU_CONFIG's tiles.
 GPU_PREFILL_LARGE_SMEM = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 
 
@@ -771,8 +771,8 @@ def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
     """BLOCK_N, LANES, VEC, num_warps of the v2 T=1 kernels for weight ``[E, N, K]``.
 
     Why v2 (from the sm_90 PTX/SASS of the v1 kernels, triton 3.6, Qwen3-30B-A3B: H=2048, I=768, k=8;
-    written before it ran on the GPU, measured results below). Floor: 8 x 3 x 2048 x 768 weights = 75.5 MB bf16 -> 18.2 us, 37.7 MB fp8 -> 9.1
-    us (measured v1: 28.3 and 31.9 us). v1 loads the weight tiles straight into registers (16-byte
+    written before it ran on the GPU, measured results below). Floor: 8 x 3 x 2048 x 768 weights =
+    75.5 MB bf16 -> 18.2 us, 37.7 MB fp8 -> 9.1 us (measured v1: 28.3 and 31.9 us). v1 loads the weight tiles straight into registers (16-byte
     LDG.128; 8-byte LDG.64 for fp8 with 128x128 block scales, BLOCK_K=128), but the activation
     slice of every K step (x or h, a 1-D load) is converted to the tile's layout through shared
     memory: st.shared, bar.sync, ld.shared, bar.sync per step, 8 steps in gate_up, 24 in down (48 with

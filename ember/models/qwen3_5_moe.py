@@ -75,8 +75,8 @@ class GatedDeltaNet(nn.Module):
 
         By default (``EMBER_DELTANET_FUSED=0`` switches it off; read per call, so also while a CUDA
         graph is captured) this takes the fused path: the delta-rule kernel computes ``g`` and
-        ``beta`` from the raw ``a`` / ``b``
-        projections, one gated RMSNorm launch replaces the norm and the five torch ops of the gate,
+        ``beta`` from the raw ``a`` / ``b`` projections, one gated RMSNorm launch replaces the norm
+        and the five torch ops of the gate,
         and the conv writes [B, T, C] directly (the ``.contiguous()`` copy, a no-op at T = 1, is gone
         from prefill). Launches per DeltaNet layer at T = 1 (counted by
         tests/models/test_qwen3_5_moe.py::test_fused_path_launch_count, Triton launches plus
@@ -85,8 +85,8 @@ class GatedDeltaNet(nn.Module):
         in a CUDA graph, an expected 0.35-0.6 ms of the 4.27 ms step; measured on the H200
         (bench/results/h200/moe_hybrid.json, first A/B run): 243 -> 279 tok/s alone, 299 -> 354 with
         the folded shared expert (3.34 -> 2.83 ms per step). The unfused path computes the same
-        values as this one bit for bit on the GPU (libdevice expf / log1pf and
-        IEEE division, as torch's CUDA kernels compute them); under Triton's interpreter numpy's exp
+        values as this one bit for bit on the GPU (libdevice expf / log1pf and IEEE division, as
+        torch's CUDA kernels compute them); under Triton's interpreter numpy's exp
         differs from torch's CPU exp in the last fp32 bit, so there the paths agree to rounding.
         """
         if os.environ.get("EMBER_DELTANET_FUSED", "1") != "0":
@@ -256,7 +256,7 @@ def _shared_fp8_scales(routed: qwen3_moe.SparseMoe, shared: _common.DenseMLP):
     from ember.nn import Fp8Linear
     out = []
     for lin, ref in ((shared.gate_up, routed.gate_up_scale), (shared.down, routed.down_scale)):
-        if type(lin) is not Fp8Linear or lin.activations is not None or lin.granularity == "tensor":
+        if type(lin) is not Fp8Linear or lin.activations is not None:
             return None
         s = lin.weight_scale
         if ref.dim() == 2:  # per row

@@ -1,10 +1,13 @@
 """Triton kernels for FP8: activation quantisation and scaled matmul (GEMV and GEMM regimes).
 
-``scaled_mm`` has a GEMV kernel and one tiled kernel with two regimes chosen by M:
+``scaled_mm`` has a GEMV kernel, a few-row kernel and one tiled kernel, chosen by M and b's layout:
 * M == 1 with a K-contiguous b (``w.t()``, what Fp8Linear passes): the GEMV kernel shared with
   ``ember.ops.linear`` (``ember.kernels.gemv``): one launch, K-fastest tiles, one warp per weight
   row, no split-K. Its config rule and the H200 measurements behind it are in ``gemv.gemv_config``.
-* M <= 16 otherwise (decode): memory-bound; each weight byte is read once. Programs tile N finely and split K
+* 2 <= M <= 16 with a K-contiguous b (decode batches through Fp8Linear): ``_skinny_mm_kernel``,
+  swapped operands (the 64-row weight tile is the MMA's first operand, the few activation rows its
+  narrow second one), split K up to 4 ways (``_skinny_config`` has the H200 figures).
+* M <= 16 otherwise: memory-bound; each weight byte is read once. Programs tile N finely and split K
   (fp32 partials to a workspace, summed by a small second kernel) so that every SM has several
   programs streaming weight bytes. M == 1 multiplies on the CUDA cores (no padding to a 16-row MMA);
   2..16 rows use one 16-row tl.dot.
@@ -24,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels import gemv
-from ember.kernels._common import round_to
+from ember.kernels._common import pdl_options, pdl_start, round_to
 
 # tl.constexpr: @triton.jit code may read module globals only in this form (the interpreter is laxer)
 FP8_MAX = tl.constexpr(448.0)
@@ -192,6 +195,80 @@ def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
 
 
 @triton.jit
+def _skinny_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
+                      M, N, K, k_per_split,
+                      stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
+                      stride_sam, stride_sak, stride_sbk, stride_sbn,
+                      A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr, SB_N_GROUP: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
+                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """Few rows (M <= 16), swapped operands: out^T [BLOCK_N, BLOCK_M] = b^T tile @ a^T tile.
+
+    The weight tile [BLOCK_N, BLOCK_K] is the MMA's first operand, so BLOCK_N = 64 fills Hopper's
+    64-row warpgroup MMA and the 16 activation rows are its narrow second operand: a weight tile
+    passes through the tensor cores once, upcast to bf16 in registers (e4m3 -> bf16 is exact, so
+    fp8 x fp8 products and their fp32 sums are exact too; fp8 MMAs accumulate with less precision,
+    measured in tests/ops/test_fp8.py). The loop is a plain pipelined stream of weight tiles
+    (``num_stages`` in flight); scales are applied after the K loop, or per 128-step for blocks.
+    """
+    pdl_start(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    offs_n64 = offs_n.to(tl.int64)
+    offs_m64 = offs_m.to(tl.int64)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < k_end
+        w = tl.load(b_ptr + offs_n64[:, None] * stride_bn + ks[None, :] * stride_bk,
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK] fp8
+        x = tl.load(a_ptr + offs_m64[None, :] * stride_am + ks[:, None] * stride_ak,
+                    mask=mask_k[:, None] & mask_m[None, :], other=0.0)  # [BK, BM]
+        if DOT_F32:  # interpreter (CPU CI): bf16 dot operands are multiplied wrongly there; fp32 is exact
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        elif A_SCALED:  # fp8 activations: both operands to bf16, exactly
+            w, x = w.to(tl.bfloat16), x.to(tl.bfloat16)
+        else:
+            w = w.to(x.dtype)
+        if K_BLOCKED:  # BLOCK_K == 128, k0 a multiple of 128: one scale block along K per step
+            part = tl.dot(w, x, input_precision="ieee") if IEEE else tl.dot(w, x)
+            kb = k0 // BLOCK_K
+            sb = tl.load(sb_ptr + kb * stride_sbk + (offs_n // SB_N_GROUP) * stride_sbn, mask=mask_n, other=0.0)
+            part = part * sb[:, None]
+            if A_SCALED:
+                sa = tl.load(sa_ptr + offs_m64 * stride_sam + kb * stride_sak, mask=mask_m, other=0.0)
+                part = part * sa[None, :]
+            acc += part
+        elif IEEE:
+            acc = tl.dot(w, x, acc, input_precision="ieee")
+        else:
+            # accumulate inside the dot: a separate `acc += part` leaves the loads unpipelined (sm_90
+            # TTGIR: plain ld.global + st.shared each step, no cp.async; 30 us at 8192^2, M=16, H200)
+            acc = tl.dot(w, x, acc)
+    if not K_BLOCKED:
+        acc = acc * tl.load(sb_ptr + (offs_n // SB_N_GROUP) * stride_sbn, mask=mask_n, other=0.0)[:, None]
+        if A_SCALED:
+            acc = acc * tl.load(sa_ptr + offs_m64 * stride_sam, mask=mask_m, other=0.0)[None, :]
+    mask = mask_n[:, None] & mask_m[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m64[None, :] * stride_om + offs_n64[:, None] * stride_on,
+                 round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(ws + offs_m64[None, :] * N + offs_n64[:, None], acc, mask=mask)
+
+
+@triton.jit
 def _split_k_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_on,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -222,6 +299,24 @@ def _gemv_config(N: int, K: int, k_blocked: bool) -> dict:
     return gemv.gemv_config(N, K, 1, k_blocked)
 
 
+def _skinny_config(N: int, K: int, k_blocked: bool, device: torch.device) -> dict:
+    """2..16 rows, K-contiguous fp8 b (Fp8Linear's ``w.t()``): the swapped-operand MMA kernel.
+
+    64 weight rows a program (one Hopper warpgroup MMA), 128-wide K steps, K split up to 4 ways
+    for >= 2 programs an SM. H200, M=16, weight-only, graph-timed (bench/results/h200/fp8_skinny_sweep.json):
+    8192^2 29.3 us (split 4, 3 stages; the previous 16-row dot kernel 27.9-29.7, bf16 F.linear 33.8);
+    4096^2 11.5 us (split 4; previous 13.4, bf16 13.6). Far from the 16.2 us floor at 8192^2: the weight
+    tile goes global -> shared (cp.async) -> registers -> bf16 -> MMA, and Triton's mixed-input
+    warpgroup MMA path streams ~2.3 TB/s here.
+    """
+    bn, bk = 64, 128
+    tiles_n = -(-N // bn)
+    split = 1
+    while tiles_n * split < 2 * _sm_count(device) and split < 4 and K // (split * 2) >= 2 * bk:
+        split *= 2
+    return dict(SKINNY=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3)
+
+
 def _config(M: int, N: int, K: int, k_blocked: bool, device: torch.device,
             b_k_contiguous: bool = False) -> dict:
     """Tile sizes by regime (measured on the H200; see ember/bench/fp8.py)."""
@@ -229,11 +324,16 @@ def _config(M: int, N: int, K: int, k_blocked: bool, device: torch.device,
     if override and override.startswith("gemv,"):  # "gemv,BN,CHUNKS,KW,warps"
         bn, c, kw, w = (int(v) for v in override.split(",")[1:])
         return dict(GEMV=True, BLOCK_N=bn, CHUNKS=c, KW=kw, num_warps=w)
+    if override and override.startswith("skinny,"):  # "skinny,BN,BK,SPLIT,warps,stages"
+        bn, bk, sk, w, st = (int(v) for v in override.split(",")[1:])
+        return dict(SKINNY=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
     if override:  # "BM,BN,BK,SPLIT,warps,stages" for tuning sweeps
         bm, bn, bk, sk, w, s = (int(v) for v in override.split(","))
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=s, GROUP_M=8)
     if M == 1 and b_k_contiguous:
         return _gemv_config(N, K, k_blocked)
+    if M <= 16 and b_k_contiguous:
+        return _skinny_config(N, K, k_blocked, device)
     if M <= 16:
         bm = 1 if M == 1 else 16
         bn, bk = (64, 128) if k_blocked else (64, 256)
@@ -272,6 +372,11 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
             raise ValueError(f"config: the GEMV kernel needs M == 1 and a K-contiguous b, got M={M}, "
                              f"b.stride()={tuple(b.stride())}")
         return _launch_gemv(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, k_blocked, cfg)
+    skinny = cfg.get("SKINNY", False)
+    if skinny and M > 16:
+        raise ValueError(f"config: the few-row kernel takes M <= 16, got M={M}")
+    if skinny:
+        cfg["BLOCK_M"] = 16
     if k_blocked:
         cfg["BLOCK_K"] = SCALE_BLOCK  # one K scale block per step
     if a.dtype == torch.float32 and cfg["BLOCK_M"] > 1:
@@ -291,17 +396,27 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
         sa, s_am, s_ak = scale_a, scale_a.stride(0), scale_a.stride(1)
     s_bk, s_bn, group = _b_scale_strides(scale_b, kind_b)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
-    _scaled_mm_kernel[grid](
-        a, b, sa, scale_b, bias if bias is not None else out, out, ws,
-        M, N, K, k_per_split,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        s_am, s_ak, s_bk, s_bn,
-        A_SCALED=kind_a is not None, K_BLOCKED=k_blocked, SB_N_GROUP=group, HAS_BIAS=bias is not None,
-        SPLIT_K=split, FP8_DOT=_fp8_dot_supported(a.device), DOT_F32=a.device.type != "cuda",
-        IEEE=a.device.type != "cuda" or a.dtype == torch.float32,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if skinny:
+        _skinny_mm_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
+            a, b, sa, scale_b, bias if bias is not None else out, out, ws,
+            M, N, K, k_per_split,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            s_am, s_ak, s_bk, s_bn,
+            A_SCALED=kind_a is not None, K_BLOCKED=k_blocked, SB_N_GROUP=group, HAS_BIAS=bias is not None,
+            SPLIT_K=split, DOT_F32=a.device.type != "cuda",
+            IEEE=a.device.type != "cuda" or a.dtype == torch.float32, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(a.device))
+    else:
+        _scaled_mm_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)](
+            a, b, sa, scale_b, bias if bias is not None else out, out, ws,
+            M, N, K, k_per_split,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            s_am, s_ak, s_bk, s_bn,
+            A_SCALED=kind_a is not None, K_BLOCKED=k_blocked, SB_N_GROUP=group, HAS_BIAS=bias is not None,
+            SPLIT_K=split, FP8_DOT=_fp8_dot_supported(a.device), DOT_F32=a.device.type != "cuda",
+            IEEE=a.device.type != "cuda" or a.dtype == torch.float32,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(M * N, block),)](

@@ -37,7 +37,7 @@ def _weight_tile(rows, ks, mask_rows, K, EVEN_N: tl.constexpr, EVEN_K: tl.conste
 @triton.jit
 def _accumulate(acc, w, a_ptr, ks, k0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
                 offs_c, offs_n, mask_n, shape: tl.constexpr, A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr,
-                SB_N_GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+                SB_N_GROUP: tl.constexpr, EVEN_K: tl.constexpr, STEP_REDUCE: tl.constexpr):
     """One K step: the activation slice in the weight tile's shape, products into ``acc``."""
     a_ptrs = tl.broadcast_to(a_ptr + ks * stride_ak, shape)
     if EVEN_K:
@@ -53,6 +53,8 @@ def _accumulate(acc, w, a_ptr, ks, k0, K, stride_ak, sa_ptr, sb_ptr, stride_sak,
         if A_SCALED:
             s = s * tl.load(sa_ptr + kb * stride_sak, mask=mask_kb, other=0.0)[None, :]
         acc += tl.sum(prod, axis=2) * s
+    elif STEP_REDUCE:
+        acc += tl.sum(prod, axis=2)
     else:
         acc += prod
     return acc
@@ -64,7 +66,7 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
                 A_SCALED: tl.constexpr, B_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr,
                 SB_N_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                 CHUNKS: tl.constexpr, KW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                PDL: tl.constexpr = False):
+                STEP_REDUCE: tl.constexpr = False, PDL: tl.constexpr = False):
     """One program owns BLOCK_N outputs and all of K.
 
     A step reads a [BLOCK_N, CHUNKS, KW] tile, k = k0 + chunk * KW + j, K fastest: each thread loads
@@ -75,6 +77,8 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
     once, after the loop; with 128x128 block scales (fp8, KW == 128) each chunk is one scale block,
     reduced per step inside a warp. B_SCALED=False (bf16/fp16/fp32 weights) loads no scale at all.
     EVEN_N / EVEN_K drop the masks (and the zero fill of masked lanes) when the tiles divide N / K.
+    STEP_REDUCE reduces each step's products over KW at once (an accumulator of [BLOCK_N, CHUNKS]
+    instead of [BLOCK_N, CHUNKS, KW]), so many chunks (many loads in flight) fit in registers.
     """
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,7 +89,7 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
     offs_c = tl.arange(0, CHUNKS)
     offs_k = offs_c[None, :, None] * KW + tl.arange(0, KW)[None, None, :]  # [1, C, KW]
     shape: tl.constexpr = (BLOCK_N, CHUNKS, KW)
-    if K_BLOCKED:
+    if K_BLOCKED or STEP_REDUCE:
         acc = tl.zeros([BLOCK_N, CHUNKS], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, CHUNKS, KW], dtype=tl.float32)
@@ -94,16 +98,21 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
     w = _weight_tile(rows, offs_k, mask_rows, K, EVEN_N, EVEN_K)
     pdl_start(PDL)
     acc = _accumulate(acc, w, a_ptr, offs_k, 0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
-                      offs_c, offs_n, mask_n, shape, A_SCALED, K_BLOCKED, SB_N_GROUP, EVEN_K)
+                      offs_c, offs_n, mask_n, shape, A_SCALED, K_BLOCKED, SB_N_GROUP, EVEN_K,
+                          STEP_REDUCE)
     for k0 in range(CHUNKS * KW, K, CHUNKS * KW):
         ks = k0 + offs_k
         w = _weight_tile(rows, ks, mask_rows, K, EVEN_N, EVEN_K)
         acc = _accumulate(acc, w, a_ptr, ks, k0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
-                          offs_c, offs_n, mask_n, shape, A_SCALED, K_BLOCKED, SB_N_GROUP, EVEN_K)
+                          offs_c, offs_n, mask_n, shape, A_SCALED, K_BLOCKED, SB_N_GROUP, EVEN_K,
+                          STEP_REDUCE)
     if K_BLOCKED:
         out = tl.sum(acc, axis=1)
     else:
-        out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if STEP_REDUCE:
+            out = tl.sum(acc, axis=1)
+        else:
+            out = tl.sum(tl.sum(acc, axis=2), axis=1)
         if B_SCALED:
             # per-column (or tensor) weight scale and the activation scale: once, after the K reduction
             out = out * tl.load(sb_ptr + offs_n * stride_sbn, mask=mask_n, other=0.0)
@@ -116,11 +125,17 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
 
 # ----------------------------------------------------------------------------- configuration
 # bf16/fp16 weights, shapes swept on the H200 (ember.bench.linear.sweep, graph-timed): N x K ->
-# (BLOCK_N, CHUNKS, num_warps). 2048 x 4096 (Qwen3-30B-A3B o_proj): 7.17 us; F.linear in the same
-# sweep was not among the 5 best (> 7.84 us) and measured 9.66 us in the linear suite, the byte
-# rule's (8, 1, 4) 16.0 us. 5120 x 2048 (qkv): 7.12 us vs F.linear 8.20 (linear suite). The decode
-# step with both (bench/step_variants.py, same weights): 2.924 ms vs 3.080 ms.
-MEASURED_2BYTE = {(2048, 4096): (8, 4, 4), (5120, 2048): (16, 2, 8)}
+# (BLOCK_N, CHUNKS, num_warps, STEP_REDUCE). 2048 x 4096 (Qwen3-30B-A3B o_proj): 7.17 us; F.linear in
+# the same sweep was not among the 5 best (> 7.84 us) and measured 9.66 us in the linear suite, the
+# byte rule's (8, 1, 4) 16.0 us. 5120 x 2048 (qkv): 7.12 us vs F.linear 8.20 (linear suite). The
+# decode step with both (bench/step_variants.py, same weights): 2.924 ms vs 3.080 ms.
+# Re-swept with per-step reduction (bench/results/h200/gemv_step_reduce_sweep.json, one run):
+# o_proj (8, 16, 8, SR) 6.89 us vs (8, 4, 4) 6.98; qkv (4, 4, 4, SR) 6.68 vs (16, 2, 8) 6.80;
+# lm_head 151936 x 2048 (16, 8, 8, SR) 138.2 us, the byte rule's (8, 2, 4) not among the 8 best
+# (> 139.0). Only 1-2%: 16 chunks in flight did not lift o_proj towards its 4.04 us floor, so the
+# missing time is per-launch latency, not too few bytes in flight.
+MEASURED_2BYTE = {(2048, 4096): (8, 16, 8, True), (5120, 2048): (4, 4, 4, True),
+                  (151936, 2048): (16, 8, 8, True)}
 # Unscaled weights on CUDA: the GEMV takes rows of at most this many bytes with the byte rule below,
 # and the swept shapes above. H200, bf16, M=1, graph-timed against F.linear in the same run (ember bench
 # linear): K=2048 wins (N=5120: 7.11 vs 8.20 us; N=151936: 136.6 vs 143.9 us), K=4096 and 8192 lose
@@ -167,8 +182,9 @@ def gemv_config(N: int, K: int, elsize: int, k_blocked: bool = False) -> dict:
     loop, 16-byte loads, no spills (sm_90 SASS, triton 3.6).
     """
     if elsize == 2 and not k_blocked and (N, K) in MEASURED_2BYTE:
-        bn, chunks, warps = MEASURED_2BYTE[(N, K)]
-        return dict(GEMV=True, BLOCK_N=bn, CHUNKS=chunks, KW=ROW_BYTES // 2, num_warps=warps)
+        bn, chunks, warps, step_reduce = MEASURED_2BYTE[(N, K)]
+        return dict(GEMV=True, BLOCK_N=bn, CHUNKS=chunks, KW=ROW_BYTES // 2, num_warps=warps,
+                    STEP_REDUCE=step_reduce)
     warps = 4
     if k_blocked:
         kw = SCALE_BLOCK
@@ -207,7 +223,8 @@ def launch(a: torch.Tensor, stride_ak: int, b: torch.Tensor, stride_bn: int, N: 
         A_SCALED=scale_a is not None, B_SCALED=scale_b is not None, K_BLOCKED=k_blocked,
         SB_N_GROUP=sb_n_group, HAS_BIAS=bias is not None,
         BLOCK_N=bn, CHUNKS=chunks, KW=kw, EVEN_N=N % bn == 0, EVEN_K=K % (chunks * kw) == 0,
-        num_warps=cfg["num_warps"], num_stages=1, **pdl_options(out.device))
+        STEP_REDUCE=cfg.get("STEP_REDUCE", False), num_warps=cfg["num_warps"], num_stages=1,
+        **pdl_options(out.device))
     return out
 
 

@@ -354,7 +354,8 @@ def test_gemv_and_small_m_match_float64_interpreter(interpreter, kind_a, kind_b,
 # several rows per warp (KW < 512), several chunks and steps, tiles that divide N and K (no masks) and not
 GEMV_CONFIGS = [dict(GEMV=True, BLOCK_N=4, CHUNKS=2, KW=128, num_warps=4),
                 dict(GEMV=True, BLOCK_N=8, CHUNKS=4, KW=128, num_warps=2),
-                dict(GEMV=True, BLOCK_N=4, CHUNKS=1, KW=512, num_warps=4)]
+                dict(GEMV=True, BLOCK_N=4, CHUNKS=1, KW=512, num_warps=4),
+                dict(GEMV=True, BLOCK_N=4, CHUNKS=4, KW=128, num_warps=4, STEP_REDUCE=True)]
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS)
@@ -371,6 +372,35 @@ def test_gemv_configs_interpreter(interpreter, config, K, N, kind_a, kind_b):
     exp = fp8.scaled_mm_reference(a, b, sa, sb, bias, out_dtype)
     torch.testing.assert_close(got.float(), exp.float(), atol=1e-3, rtol=8e-3 if out_dtype == torch.bfloat16 else 1e-3)
     assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
+
+
+# the swapped-operand few-row kernel (the default for 2..16 rows and a K-contiguous b): split-K and not,
+# one row (by config), masked N and K tails, 128-block scales (BLOCK_K forced to 128), fp16 / fp32 activations
+SKINNY_CONFIGS = [dict(SKINNY=True, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=2),
+                  dict(SKINNY=True, BLOCK_N=32, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=2)]
+
+
+@pytest.mark.parametrize("config", SKINNY_CONFIGS)
+@pytest.mark.parametrize("M, K, N", [(1, 520, 100), (16, 300, 37), (7, 1024, 64)])
+@pytest.mark.parametrize("kind_a, kind_b", [(None, "row"), ("row", "row"), ("block", "block"), (None, "block"),
+                                            ("tensor", "tensor")])
+def test_skinny_configs_interpreter(interpreter, config, M, K, N, kind_a, kind_b):
+    out_dtype = torch.float16 if kind_a == "row" else torch.bfloat16
+    a, b, sa, sb = make_operands(M, K, N, kind_a, kind_b, b_col_major=True)
+    bias = torch.randn(N).to(torch.bfloat16)
+    got = _kernel_mm(a, b, sa, sb, bias, out_dtype, config)
+    exp = fp8.scaled_mm_reference(a, b, sa, sb, bias, out_dtype)
+    torch.testing.assert_close(got.float(), exp.float(), atol=1e-3, rtol=8e-3 if out_dtype == torch.bfloat16 else 1e-3)
+    assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
+
+
+def test_skinny_is_the_few_row_default_and_refuses_many_rows(interpreter):
+    k = _dispatch.kernels("fp8")
+    assert k._config(16, 8192, 8192, False, torch.device("cpu"), b_k_contiguous=True).get("SKINNY")
+    assert not k._config(16, 8192, 8192, False, torch.device("cpu"), b_k_contiguous=False).get("SKINNY")
+    a, b, sa, sb = make_operands(17, 64, 16, None, "row", b_col_major=True)
+    with pytest.raises(ValueError, match="few-row kernel takes M <= 16"):
+        _kernel_mm(a, b, sa, sb, None, torch.float32, SKINNY_CONFIGS[0])
 
 
 def test_gemv_config_needs_one_row_and_k_contiguous_b(interpreter):

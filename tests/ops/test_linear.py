@@ -88,7 +88,8 @@ def test_gemv_non_contiguous_x_interpreter(interpreter, monkeypatch, dtype):
 # and K (no masks) and tiles that do not
 GEMV_CONFIGS = [dict(GEMV=True, BLOCK_N=4, CHUNKS=2, KW=256, num_warps=4),
                 dict(GEMV=True, BLOCK_N=16, CHUNKS=4, KW=64, num_warps=2),
-                dict(GEMV=True, BLOCK_N=8, CHUNKS=1, KW=128, num_warps=4)]
+                dict(GEMV=True, BLOCK_N=8, CHUNKS=1, KW=128, num_warps=4),
+                dict(GEMV=True, BLOCK_N=8, CHUNKS=4, KW=64, num_warps=4, STEP_REDUCE=True)]
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS)
@@ -113,8 +114,9 @@ def test_gemv_config_rule():
     assert cfg(5120, 1024, 2)["KW"] == 256 and cfg(5120, 1024, 2)["CHUNKS"] == 2
     assert cfg(2048, 8192, 2)["CHUNKS"] == 1 and cfg(2048, 4096, 4)["KW"] == 128
     # swept bf16 shapes take their measured tiles (ember.kernels.gemv.MEASURED_2BYTE)
-    assert cfg(2048, 4096, 2) == dict(GEMV=True, BLOCK_N=8, CHUNKS=4, KW=256, num_warps=4)
-    assert cfg(5120, 2048, 2) == dict(GEMV=True, BLOCK_N=16, CHUNKS=2, KW=256, num_warps=8)
+    assert cfg(2048, 4096, 2) == dict(GEMV=True, BLOCK_N=8, CHUNKS=16, KW=256, num_warps=8, STEP_REDUCE=True)
+    assert cfg(5120, 2048, 2) == dict(GEMV=True, BLOCK_N=4, CHUNKS=4, KW=256, num_warps=4, STEP_REDUCE=True)
+    assert cfg(151936, 2048, 2)["STEP_REDUCE"] and cfg(151936, 2048, 2)["CHUNKS"] == 8
     # short rows: several rows per warp, so BLOCK_N grows to keep every thread loading
     assert cfg(100, 7, 2) == dict(GEMV=True, BLOCK_N=128, CHUNKS=1, KW=8, num_warps=4)
 

@@ -37,8 +37,10 @@ PROMPT, STEPS, HF_NEW = 128, 128, 16
 TARGETS = {"lfm2_moe_8b_a1b": (600.0, 30.0), "qwen3_5_moe_35b_a3b": (300.0, 40.0)}
 # The unfused paths (kept behind off-switches) timed beside the default bf16 decode, per family;
 # BUILD_VARIANTS change the weights' layout, so their environment is set while the net is built too.
-VARIANTS = {"qwen3_5_moe_35b_a3b": {"deltanet_unfused": {"EMBER_DELTANET_FUSED": "0"}, "pdl_off": {"EMBER_PDL": "0"}},
-            "lfm2_moe_8b_a1b": {"conv_unfused": {"EMBER_LFM2_CONV_FUSED": "0"}, "pdl_off": {"EMBER_PDL": "0"}}}
+VARIANTS = {"qwen3_5_moe_35b_a3b": {"deltanet_unfused": {"EMBER_DELTANET_FUSED": "0"}, "pdl_off": {"EMBER_PDL": "0"},
+                                    "norm_route_unfused": {"EMBER_NORM_ROUTE_FUSED": "0"}},
+            "lfm2_moe_8b_a1b": {"conv_unfused": {"EMBER_LFM2_CONV_FUSED": "0"}, "pdl_off": {"EMBER_PDL": "0"},
+                                "norm_route_unfused": {"EMBER_NORM_ROUTE_FUSED": "0"}}}
 BUILD_VARIANTS = {"qwen3_5_moe_35b_a3b": {
     "shared_expert_unfolded": {"EMBER_FOLD_SHARED_EXPERT": "0"},
     "unfolded_and_deltanet_unfused": {"EMBER_FOLD_SHARED_EXPERT": "0", "EMBER_DELTANET_FUSED": "0"}}}

@@ -35,15 +35,45 @@ def _weight_tile(rows, ks, mask_rows, K, EVEN_N: tl.constexpr, EVEN_K: tl.conste
 
 
 @triton.jit
+def _residual_sum(a_ptr, res_ptr, ks, K, stride_ak):
+    """a + residual at columns ks, rounded to a's dtype (as add_rmsnorm stores it), as fp32."""
+    x = tl.load(a_ptr + ks * stride_ak, mask=ks < K, other=0.0)
+    r = tl.load(res_ptr + ks, mask=ks < K, other=0.0)
+    return round_to(x.to(tl.float32) + r.to(tl.float32), a_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _inv_rms(a_ptr, res_ptr, new_res_ptr, K, stride_ak, eps, STORE: tl.constexpr, BLOCK: tl.constexpr):
+    """1 / rms of a + residual over all K (every program computes it; the store is program 0's)."""
+    ss = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        h = _residual_sum(a_ptr, res_ptr, ks, K, stride_ak)
+        if STORE:
+            tl.store(new_res_ptr + ks, h.to(new_res_ptr.dtype.element_ty), mask=ks < K)
+        ss += h * h
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
 def _accumulate(acc, w, a_ptr, ks, k0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
-                offs_c, offs_n, mask_n, shape: tl.constexpr, A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr,
-                SB_N_GROUP: tl.constexpr, EVEN_K: tl.constexpr, STEP_REDUCE: tl.constexpr):
-    """One K step: the activation slice in the weight tile's shape, products into ``acc``."""
-    a_ptrs = tl.broadcast_to(a_ptr + ks * stride_ak, shape)
-    if EVEN_K:
-        a = tl.load(a_ptrs)
+                offs_c, offs_n, mask_n, res_ptr, lnw_ptr, inv_rms, shape: tl.constexpr, A_SCALED: tl.constexpr,
+                K_BLOCKED: tl.constexpr, SB_N_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+                STEP_REDUCE: tl.constexpr, ADD_NORM: tl.constexpr):
+    """One K step: the activation slice in the weight tile's shape, products into ``acc``.
+
+    ADD_NORM: the activation is add_rmsnorm(a, residual, lnw) computed here from its inputs."""
+    if ADD_NORM:
+        kb = tl.broadcast_to(ks, shape)
+        h = _residual_sum(a_ptr, res_ptr, kb, K, stride_ak)
+        lw = tl.load(lnw_ptr + kb, mask=kb < K, other=0.0).to(tl.float32)
+        a = round_to(h * inv_rms * lw, a_ptr.dtype.element_ty)
     else:
-        a = tl.load(a_ptrs, mask=tl.broadcast_to(ks < K, shape), other=0.0)
+        a_ptrs = tl.broadcast_to(a_ptr + ks * stride_ak, shape)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=tl.broadcast_to(ks < K, shape), other=0.0)
     prod = w.to(tl.float32) * a.to(tl.float32)
     if K_BLOCKED:  # KW == 128 and k0 % 128 == 0: chunk c is scale block k0 // 128 + c
         kb = k0 // 128 + offs_c
@@ -66,7 +96,8 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
                 A_SCALED: tl.constexpr, B_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr,
                 SB_N_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                 CHUNKS: tl.constexpr, KW: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                STEP_REDUCE: tl.constexpr = False, PDL: tl.constexpr = False):
+                STEP_REDUCE: tl.constexpr, res_ptr, lnw_ptr, new_res_ptr, eps,
+                ADD_NORM: tl.constexpr, PDL: tl.constexpr = False):
     """One program owns BLOCK_N outputs and all of K.
 
     A step reads a [BLOCK_N, CHUNKS, KW] tile, k = k0 + chunk * KW + j, K fastest: each thread loads
@@ -79,6 +110,10 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
     EVEN_N / EVEN_K drop the masks (and the zero fill of masked lanes) when the tiles divide N / K.
     STEP_REDUCE reduces each step's products over KW at once (an accumulator of [BLOCK_N, CHUNKS]
     instead of [BLOCK_N, CHUNKS, KW]), so many chunks (many loads in flight) fit in registers.
+    ADD_NORM (unscaled weights): the activation is ``add_rmsnorm(a, residual, lnw, eps)``, the
+    decoder's pre-attention norm folded into the qkv projection: every program computes the row's
+    1 / rms itself (same code and layout, so the same value) and normalises each K step as it loads
+    it; program 0 stores the new residual (a + residual) for the next layer.
     """
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,15 +132,21 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
     # weights): under dependent launch it streams in while that kernel finishes.
     w = _weight_tile(rows, offs_k, mask_rows, K, EVEN_N, EVEN_K)
     pdl_start(PDL)
+    inv_rms = 0.0
+    if ADD_NORM:
+        if pid == 0:
+            inv_rms = _inv_rms(a_ptr, res_ptr, new_res_ptr, K, stride_ak, eps, True, CHUNKS * KW)
+        else:
+            inv_rms = _inv_rms(a_ptr, res_ptr, new_res_ptr, K, stride_ak, eps, False, CHUNKS * KW)
     acc = _accumulate(acc, w, a_ptr, offs_k, 0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
-                      offs_c, offs_n, mask_n, shape, A_SCALED, K_BLOCKED, SB_N_GROUP, EVEN_K,
-                          STEP_REDUCE)
+                      offs_c, offs_n, mask_n, res_ptr, lnw_ptr, inv_rms, shape, A_SCALED, K_BLOCKED, SB_N_GROUP,
+                      EVEN_K, STEP_REDUCE, ADD_NORM)
     for k0 in range(CHUNKS * KW, K, CHUNKS * KW):
         ks = k0 + offs_k
         w = _weight_tile(rows, ks, mask_rows, K, EVEN_N, EVEN_K)
         acc = _accumulate(acc, w, a_ptr, ks, k0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
-                          offs_c, offs_n, mask_n, shape, A_SCALED, K_BLOCKED, SB_N_GROUP, EVEN_K,
-                          STEP_REDUCE)
+                          offs_c, offs_n, mask_n, res_ptr, lnw_ptr, inv_rms, shape, A_SCALED, K_BLOCKED, SB_N_GROUP,
+                          EVEN_K, STEP_REDUCE, ADD_NORM)
     if K_BLOCKED:
         out = tl.sum(acc, axis=1)
     else:
@@ -208,11 +249,17 @@ def launch(a: torch.Tensor, stride_ak: int, b: torch.Tensor, stride_bn: int, N: 
            out: torch.Tensor, stride_on: int, bias: torch.Tensor | None, cfg: dict, *,
            scale_a: torch.Tensor | None = None, stride_sak: int = 0,
            scale_b: torch.Tensor | None = None, stride_sbk: int = 0, stride_sbn: int = 0,
-           sb_n_group: int = 1, k_blocked: bool = False) -> torch.Tensor:
+           sb_n_group: int = 1, k_blocked: bool = False, add_norm: tuple | None = None) -> torch.Tensor:
     """out[n * stride_on] = sum_k a[k * stride_ak] * b[n * stride_bn + k] (* scales) (+ bias[n]).
 
     ``b`` has unit stride along K; N, K >= 1. Scale strides: 0 broadcasts (see ember.kernels.fp8).
+    ``add_norm = (residual, norm_weight, eps, new_residual_out)`` (contiguous K-vectors, unscaled b
+    only): multiply by ``add_rmsnorm(a, residual, norm_weight, eps)`` instead of a, and write its new
+    residual.
     """
+    if add_norm is not None and (scale_a is not None or scale_b is not None):
+        raise ValueError("add_norm: only unscaled weights take the folded norm")
+    res, lnw, eps, new_res = add_norm if add_norm is not None else (out, out, 0.0, out)  # unused pointers
     bn, chunks, kw = cfg["BLOCK_N"], cfg["CHUNKS"], cfg["KW"]
     if k_blocked and kw != SCALE_BLOCK:
         raise ValueError(f"config: 128-block scales need KW == {SCALE_BLOCK}, got {kw}")
@@ -223,21 +270,21 @@ def launch(a: torch.Tensor, stride_ak: int, b: torch.Tensor, stride_bn: int, N: 
         A_SCALED=scale_a is not None, B_SCALED=scale_b is not None, K_BLOCKED=k_blocked,
         SB_N_GROUP=sb_n_group, HAS_BIAS=bias is not None,
         BLOCK_N=bn, CHUNKS=chunks, KW=kw, EVEN_N=N % bn == 0, EVEN_K=K % (chunks * kw) == 0,
-        STEP_REDUCE=cfg.get("STEP_REDUCE", False), num_warps=cfg["num_warps"], num_stages=1,
-        **pdl_options(out.device))
+        STEP_REDUCE=cfg.get("STEP_REDUCE", False), res_ptr=res, lnw_ptr=lnw, new_res_ptr=new_res, eps=float(eps),
+        ADD_NORM=add_norm is not None, num_warps=cfg["num_warps"], num_stages=1, **pdl_options(out.device))
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           config: dict | None = None, out: torch.Tensor | None = None, add_norm: tuple | None = None) -> torch.Tensor:
     """x @ weight.T + bias for one row of x (validated by ``ember.ops.linear``).
 
     ``x`` [..., K] holds a single row (every leading dim is 1, any stride along K); ``weight`` [N, K]
     has unit stride along K. ``config`` overrides the tile choice (tests, tuning sweeps); ``out`` is
-    a buffer of x.shape[:-1] + (N,) with unit stride along N.
+    a buffer of x.shape[:-1] + (N,) with unit stride along N. ``add_norm``: as in :func:`launch`.
     """
     N, K = weight.shape
     if out is None:
         out = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
     cfg = config or gemv_config(N, K, weight.element_size())
-    return launch(x, x.stride(-1), weight, weight.stride(0), N, K, out, 1, bias, cfg)
+    return launch(x, x.stride(-1), weight, weight.stride(0), N, K, out, 1, bias, cfg, add_norm=add_norm)

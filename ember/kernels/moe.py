@@ -137,18 +137,52 @@ def _sigmoid_topk_of_row(logits_ptr, row, E, bias_ptr, scaling, TOP_K: tl.conste
 
 
 @triton.jit
+def _residual_sum(x_ptr, res_ptr, t, stride_x, ks, H):
+    """x + residual for columns ks of token t, rounded to x's dtype (as add_rmsnorm stores it), fp32."""
+    x = tl.load(x_ptr + t * stride_x + ks, mask=ks < H, other=0.0)
+    r = tl.load(res_ptr + t * H + ks, mask=ks < H, other=0.0)
+    return round_to(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, new_res_ptr, t, j, stride_x, ks, H, inv_rms,
+                  ADD_NORM: tl.constexpr):
+    """The router's input for columns ks of token t (fp32): x itself, or add_rmsnorm's output, which
+    program j == 0 also stores (normalised row and new residual, rows of H)."""
+    if ADD_NORM:
+        hv = _residual_sum(x_ptr, res_ptr, t, stride_x, ks, H)
+        lw = tl.load(lnw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
+        normed = round_to(hv * inv_rms * lw, x_ptr.dtype.element_ty)
+        if j == 0:
+            tl.store(new_res_ptr + t * H + ks, hv.to(x_ptr.dtype.element_ty), mask=ks < H)
+            tl.store(normed_ptr + t * H + ks, normed, mask=ks < H)
+        xv = normed.to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + t * stride_x + ks, mask=ks < H, other=0.0).to(tl.float32)
+    return xv
+
+
+@triton.jit
 def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bias_ptr, scaling, E, H, stride_x, n_prog,
+                         res_ptr, lnw_ptr, normed_ptr, new_res_ptr, eps,
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, ADD_NORM: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
     Routing: Qwen3's softmax top-k, or (SIGMOID) LFM2's biased sigmoid selection. SHARED_GATE: the
     last of the E rows is a shared expert's gate: softmax top-k over the first E - 1, then expert
-    E - 1 appended with weight sigmoid(its logit) (Qwen3.5's shared expert folded into the experts)."""
+    E - 1 appended with weight sigmoid(its logit) (Qwen3.5's shared expert folded into the experts).
+    ADD_NORM: x is first added to the residual row and RMS-normalised (the decoder's post-attention
+    ``add_rmsnorm``, saving its launch): every program computes the normalised row itself (the same
+    code and layout everywhere, so the same values), multiplies its router rows with it, and program
+    0 stores it and the new residual for the expert GEMVs and the next layer.
+    """
     t = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.program_id(1)
+    rows = j * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < E
     w_rows = w_ptr + rows[:, None].to(tl.int64) * H
     # The first K block of the router weight (on the GPU all of K) is loaded before waiting for the
@@ -156,14 +190,23 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     ks = tl.arange(0, BLOCK_H)
     w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < H)[None, :], other=0.0)
     pdl_start(PDL)
-    xv = tl.load(x_ptr + t * stride_x + ks, mask=ks < H, other=0.0)
-    acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    inv_rms = 0.0
+    if ADD_NORM:
+        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            kk = k0 + tl.arange(0, BLOCK_H)
+            hv = _residual_sum(x_ptr, res_ptr, t, stride_x, kk, H)
+            ss += hv * hv
+        inv_rms = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+    xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, new_res_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM)
+    acc = w.to(tl.float32) * xv[None, :]
     for k0 in range(BLOCK_H, H, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
         k_mask = ks < H
         w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        xv = tl.load(x_ptr + t * stride_x + ks, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, new_res_ptr, t, j, stride_x, ks, H, inv_rms,
+                           ADD_NORM)
+        acc += w.to(tl.float32) * xv[None, :]
     logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
     if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
@@ -648,17 +691,22 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
 
 
 ROUTER_MAX_TOKENS = 64
+ADD_NORM_MAX_HIDDEN = 4096  # route_hidden's add_norm: one K block of the row on the GPU
 
 
 def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
                  scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0,
-                 shared_expert_gate: bool = False):
+                 shared_expert_gate: bool = False, add_norm: tuple | None = None):
     """Routing straight from hidden states ``x [T, H]`` and the router weight ``[E, H]``, T <= 64.
 
     One launch instead of a router GEMV (cuBLAS) plus the route kernel: at batch-1 decode each
     launch costs ~2 us inside a CUDA graph, and the 128 x 2048 router (0.5 MB) is too small for
     cuBLAS to stream fast. 2 router rows per program (64 programs per token at E = 128), so the
     0.5 MB is read by many SMs at once.
+
+    ``add_norm = (residual, norm_weight, eps, normed_out, new_residual_out)`` (contiguous [T, H]
+    rows): route from ``add_rmsnorm(x, residual, norm_weight, eps)`` instead of x, writing its two
+    outputs too (one launch fewer per decoder layer).
     """
     x = _rows_contiguous(x)
     T, H = x.shape
@@ -681,12 +729,14 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     block_h = min(4096 if x.device.type == "cuda" else 32, triton.next_power_of_2(H))
     n_prog = triton.cdiv(E, block_r)
     bias = expert_bias.float().contiguous() if expert_bias is not None else logits
+    res, lnw, eps, normed, new_res = add_norm if add_norm is not None else (x, x, 0.0, x, x)
     _router_route_kernel[(T, n_prog)](
         x, router.contiguous(), logits, arrival_counters("moe_router", x.device, T), w, ids, bias, float(scaling),
-        E, H, x.stride(0), n_prog, TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
+        E, H, x.stride(0), n_prog, res, lnw, normed, new_res, float(eps),
+        TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), num_warps=4,
-        **pdl_options(x.device))
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
+        num_warps=4, **pdl_options(x.device))
     return w, ids
 
 

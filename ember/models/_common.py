@@ -131,6 +131,25 @@ class Attention(nn.Module):
         out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out)
 
+    def add_norm_decode(self, m: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        positions: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``decode(add_rmsnorm(m, residual, norm_weight))`` with the norm folded into the qkv GEMV.
+
+        Batch 1 with an unscaled, bias-free qkv weight only (``ember.ops.add_rmsnorm_linear``); returns
+        ``(out, new_residual)``, or None where the fold does not apply (``EMBER_NORM_QKV_FUSED=0`` too):
+        the caller then runs the norm and :meth:`decode`.
+        """
+        if (m.shape[0] != 1 or type(self.qkv) is not Linear or self.qkv.bias is not None
+                or os.environ.get("EMBER_NORM_QKV_FUSED", "1") != "1" or os.environ.get("EMBER_FUSED_QKV", "0") == "1"):
+            return None
+        c = self.cfg
+        qkv, new_residual = ember.ops.add_rmsnorm_linear(m, residual, norm_weight, self.qkv.weight, eps=eps)
+        q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
+                                        num_heads=c.num_heads, eps=c.rms_norm_eps)
+        out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)
+        return self.o(out), new_residual
+
 
 class DenseMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] projection (gate rows first)."""
@@ -205,14 +224,29 @@ class CausalLM(nn.Module):
                 for layer in self.cache_specs(max_batch_size, max_seq_len, dtype)]
 
     def _run(self, x: torch.Tensor, attend, last_only: bool = False,
-             last_index: torch.Tensor | None = None) -> torch.Tensor:
+             last_index: torch.Tensor | None = None, attend_add_norm=None) -> torch.Tensor:
+        """The decoder stack. ``attend(i, attn, normed)`` runs layer i's mixer; ``attend_add_norm(i,
+        attn, m, residual, norm_weight)`` (decode), where it returns non-None, runs it on
+        ``add_rmsnorm(m, residual, norm_weight)`` with the norm folded in and returns (out, new residual)."""
         normed, residual = ember.ops.rmsnorm(x, self.layers[0].ln1, self.eps), x
         for i, layer in enumerate(self.layers):
-            a = attend(i, layer.attn, normed)
-            normed, residual = ember.ops.add_rmsnorm(a, residual, layer.ln2, self.eps)
-            m = layer.mlp(normed)
-            if i + 1 < len(self.layers):
-                normed, residual = ember.ops.add_rmsnorm(m, residual, self.layers[i + 1].ln1, self.eps)
+            folded = None
+            if i > 0 and attend_add_norm is not None:
+                folded = attend_add_norm(i, layer.attn, m, residual, layer.ln1)
+            if folded is not None:
+                a, residual = folded
+            else:
+                if i > 0:
+                    normed, residual = ember.ops.add_rmsnorm(m, residual, layer.ln1, self.eps)
+                a = attend(i, layer.attn, normed)
+            # an MLP that can fold the post-attention norm into its first launch (the MoE router) does
+            fused = getattr(layer.mlp, "add_norm_forward", None)
+            folded = fused(a, residual, layer.ln2, self.eps) if fused is not None else None
+            if folded is not None:
+                m, residual = folded
+            else:
+                normed, residual = ember.ops.add_rmsnorm(a, residual, layer.ln2, self.eps)
+                m = layer.mlp(normed)
         if last_index is not None:  # a padded prompt (prefill graphs): its last real position
             m, residual = m.index_select(1, last_index).squeeze(1), residual.index_select(1, last_index).squeeze(1)
         elif last_only:  # every layer needs all positions; the final norm and lm_head only the last
@@ -235,7 +269,13 @@ class CausalLM(nn.Module):
                caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """tokens [B] at positions [B] (seq_lens = positions + 1, int32) -> logits [B, V]."""
         x = F.embedding(tokens, self.embed)
-        return self._run(x, lambda i, attn, h: attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i]))
+
+        def attend_add_norm(i, attn, m, residual, norm_weight):
+            fold = getattr(attn, "add_norm_decode", None)
+            return None if fold is None else fold(m, residual, norm_weight, self.eps, positions, seq_lens,
+                                                  self.cos, self.sin, caches[i])
+        return self._run(x, lambda i, attn, h: attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i]),
+                         attend_add_norm=attend_add_norm)
 
 
 # ----------------------------------------------------------------------------- loading helpers

@@ -125,6 +125,11 @@ class Lfm2SparseMoe(nn.Module):
                                 down_scale=self.down_scale, check=False)  # ids come from topk: in range
         return y.reshape(h.shape)
 
+    def add_norm_forward(self, a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+        """``forward(add_rmsnorm(a, residual))`` with the norm folded into the router launch (decode)."""
+        return qwen3_moe.add_norm_route_experts(self, a, residual, norm_weight, eps, renormalize=self.normalize,
+                                                scoring="sigmoid", expert_bias=self.expert_bias, scaling=self.scaling)
+
 
 # ----------------------------------------------------------------------------- building
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

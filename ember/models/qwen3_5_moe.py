@@ -224,6 +224,11 @@ class FoldedSharedMoe(nn.Module):
                                 down_scale=self.down_scale, check=False)
         return y.reshape(h.shape)
 
+    def add_norm_forward(self, a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+        """``forward(add_rmsnorm(a, residual))`` with the norm folded into the router launch (decode)."""
+        return qwen3_moe.add_norm_route_experts(self, a, residual, norm_weight, eps, renormalize=True,
+                                                shared_expert_gate=True)
+
 
 def fold_shared_expert(moe: SharedExpertMoe) -> FoldedSharedMoe | None:
     """The folded form of ``moe``, or None when it does not apply (a shared expert of another width,

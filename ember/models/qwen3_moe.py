@@ -53,6 +53,30 @@ class SparseMoe(nn.Module):
                             gate_up_scale=self.gate_up_scale, down_scale=self.down_scale)
         return y.reshape(h.shape)
 
+    def add_norm_forward(self, a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+        """``forward(add_rmsnorm(a, residual))`` with the norm folded into the router launch (decode)."""
+        return add_norm_route_experts(self, a, residual, norm_weight, eps, renormalize=self.renormalize)
+
+
+def add_norm_route_experts(moe: nn.Module, a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                           eps: float, **route) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``moe``'s decode forward of ``add_rmsnorm(a, residual, norm_weight)``, the norm in the router's
+    launch (``ember.ops.add_rmsnorm_route_hidden``, ``route`` its routing arguments), then the experts.
+
+    Returns ``(out, new_residual)``, or None where the fold does not apply (more than
+    DECODE_MAX_TOKENS tokens, ``EMBER_ROUTER_FUSED=0``, or ``EMBER_NORM_ROUTE_FUSED=0``): the caller
+    then runs the norm and ``moe.forward``. Saves one launch per layer (H200 figures in ARCHITECTURE.md).
+    """
+    x = a.reshape(-1, a.shape[-1])
+    if (x.shape[0] > moe_ops.DECODE_MAX_TOKENS or os.environ.get("EMBER_ROUTER_FUSED", "1") != "1"
+            or os.environ.get("EMBER_NORM_ROUTE_FUSED", "1") != "1"):
+        return None
+    normed, new_res, w, ids = moe_ops.add_rmsnorm_route_hidden(x, residual.reshape(x.shape), norm_weight, moe.router,
+                                                               moe.top_k, eps=eps, **route)
+    y = moe_ops.moe_experts(normed, moe.w_gate_up, moe.w_down, w, ids, gate_up_scale=moe.gate_up_scale,
+                            down_scale=moe.down_scale, check=False)  # ids come from the routing: in range
+    return y.reshape(a.shape), new_res.reshape(a.shape)
+
 
 def _num_experts(cfg: dict) -> int:
     e = cfg.get("num_experts", cfg.get("num_local_experts"))

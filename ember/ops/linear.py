@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ember import _dispatch
 from ember.ops import _checks
+from ember.ops import norm as norm_ops
 
 
 def _validate(x, weight, bias) -> None:
@@ -93,4 +94,53 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-__all__ = ["linear", "linear_reference"]
+def add_rmsnorm_linear_reference(x, residual, norm_weight, weight, bias=None, eps: float = 1e-6):
+    """The spec of :func:`add_rmsnorm_linear`: ``add_rmsnorm_reference`` then ``linear_reference``."""
+    normed, new_residual = norm_ops.add_rmsnorm_reference(x, residual, norm_weight, eps)
+    return linear_reference(normed, weight, bias), new_residual
+
+
+def _add_norm_linear_impl(x, residual, norm_weight, weight, bias, eps):
+    if _gemv_shape(x, weight) and _gemv_beats_cublas(x, weight):
+        K = weight.shape[1]
+        new_residual = torch.empty_like(x)
+        y = _dispatch.kernels("gemv").linear(x, weight, bias, add_norm=(
+            residual.reshape(K).contiguous(), norm_weight.contiguous(), eps, new_residual.view(K)))
+        return y, new_residual
+    normed, new_residual = norm_ops.add_rmsnorm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), new_residual
+
+
+@torch.library.custom_op("ember::add_rmsnorm_linear", mutates_args=())
+def _add_norm_linear_op(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, new_residual = _add_norm_linear_impl(x, residual, norm_weight, weight, bias, eps)
+    return y, new_residual
+
+
+@_add_norm_linear_op.register_fake
+def _(x, residual, norm_weight, weight, bias, eps):
+    return x.new_empty(x.shape[:-1] + (weight.shape[0],)), torch.empty_like(x)
+
+
+def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None, *, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(add_rmsnorm(x, residual, norm_weight, eps)[0], weight, bias)`` and the new residual.
+
+    A decoder layer's pre-attention norm and its qkv projection: for one row of x on CUDA (batch-1
+    decode) one GEMV launch that normalises each K slice as it multiplies it (the normalised row is
+    never stored); anything else runs the two ops. Returns ``(y, new_residual)``.
+
+    Example:
+        >>> x, res, w = torch.randn(1, 64), torch.randn(1, 64), torch.randn(96, 64)
+        >>> y, res = ember.ops.add_rmsnorm_linear(x, res, torch.ones(64), w)
+    """
+    _checks.tensor("residual", residual)
+    eps = norm_ops._validate(x, residual, norm_weight, eps)
+    _validate(x, weight, bias)
+    if _dispatch.compiling():
+        return _add_norm_linear_op(x, residual, norm_weight, weight, bias, eps)
+    return _add_norm_linear_impl(x, residual, norm_weight, weight, bias, eps)
+
+
+__all__ = ["add_rmsnorm_linear", "add_rmsnorm_linear_reference", "linear", "linear_reference"]

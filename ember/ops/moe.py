@@ -13,6 +13,8 @@
   with ``scoring="sigmoid"`` LFM2's routing (biased sigmoid selection, see the function),
   with the router GEMV and the routing in one launch on CUDA (up to 64 tokens): what a decode step
   calls before ``moe_experts``. The logits are rounded to ``x.dtype`` first, as F.linear returns them.
+* ``add_rmsnorm_route_hidden(x, residual, norm_weight, router_weight, top_k)``: the decoder's
+  post-attention ``add_rmsnorm`` and ``moe_route_hidden`` of its output, one launch on CUDA.
 
 Numerics (the spec the kernels are tested against): float32 math throughout, except that the
 activation ``silu(g) * u`` is rounded once to ``x.dtype`` before the down projection (as every bf16
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 from ember import _dispatch
 from ember.ops import _checks
+from ember.ops import norm as norm_ops
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # HF fine-grained FP8 checkpoints quantise in 128 x 128 blocks
@@ -243,6 +246,32 @@ def _route_hidden_impl(x, router_weight, top_k, renormalize, scoring="softmax", 
     return kmod.route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate)
 
 
+def add_rmsnorm_route_hidden_reference(x, residual, norm_weight, router_weight, top_k: int, eps: float = 1e-6,
+                                       renormalize: bool = True, scoring: str = "softmax",
+                                       expert_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                                       shared_expert_gate: bool = False):
+    """The spec of :func:`add_rmsnorm_route_hidden`: ``add_rmsnorm``, then ``moe_route_hidden`` of its output."""
+    normed, new_residual = norm_ops.add_rmsnorm_reference(x, residual, norm_weight, eps)
+    w, ids = moe_route_hidden_reference(normed, router_weight, top_k, renormalize, scoring, expert_bias, scaling,
+                                        shared_expert_gate)
+    return normed, new_residual, w, ids
+
+
+def _add_norm_route_impl(x, residual, norm_weight, router_weight, top_k, eps, renormalize, scoring="softmax",
+                         expert_bias=None, scaling=1.0, shared_expert_gate=False):
+    kmod = _dispatch.kernels("moe") if _dispatch.use_triton(x) else None
+    if kmod is None or x.shape[0] > kmod.ROUTER_MAX_TOKENS or x.shape[1] > kmod.ADD_NORM_MAX_HIDDEN:
+        normed, new_residual = norm_ops.add_rmsnorm(x, residual, norm_weight, eps)
+        w, ids = _route_hidden_impl(normed, router_weight, top_k, renormalize, scoring, expert_bias, scaling,
+                                    shared_expert_gate)
+        return normed, new_residual, w, ids
+    x, residual = x.contiguous(), residual.contiguous()
+    normed, new_residual = torch.empty_like(x), torch.empty_like(x)
+    w, ids = kmod.route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate,
+                               add_norm=(residual, norm_weight.contiguous(), eps, normed, new_residual))
+    return normed, new_residual, w, ids
+
+
 def _experts_impl(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale):
     if not _dispatch.use_triton(x):
         return moe_experts_reference(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
@@ -284,6 +313,24 @@ def _moe_route_hidden_op(x: torch.Tensor, router_weight: torch.Tensor, top_k: in
 def _(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate):
     T, top_k = x.shape[0], top_k + int(shared_expert_gate)
     return x.new_empty((T, top_k), dtype=torch.float32), x.new_empty((T, top_k), dtype=torch.int32)
+
+
+@torch.library.custom_op("ember::add_rmsnorm_route_hidden", mutates_args=())
+def _add_norm_route_op(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor,
+                       top_k: int, eps: float, renormalize: bool, scoring: str, expert_bias: torch.Tensor | None,
+                       scaling: float, shared_expert_gate: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    normed, new_residual, w, ids = _add_norm_route_impl(x, residual, norm_weight, router_weight, top_k, eps,
+                                                        renormalize, scoring, expert_bias, scaling, shared_expert_gate)
+    return normed, new_residual, w, ids
+
+
+@_add_norm_route_op.register_fake
+def _(x, residual, norm_weight, router_weight, top_k, eps, renormalize, scoring, expert_bias, scaling,
+      shared_expert_gate):
+    T, top_k = x.shape[0], top_k + int(shared_expert_gate)
+    return (torch.empty_like(x), torch.empty_like(x), x.new_empty((T, top_k), dtype=torch.float32),
+            x.new_empty((T, top_k), dtype=torch.int32))
 
 
 @torch.library.custom_op("ember::moe_experts", mutates_args=())
@@ -354,6 +401,32 @@ def moe_route_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *
         return _moe_route_hidden_op(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling,
                                     shared_expert_gate)
     return _route_hidden_impl(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate)
+
+
+def add_rmsnorm_route_hidden(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                             router_weight: torch.Tensor, top_k: int, *, eps: float = 1e-6, renormalize: bool = True,
+                             scoring: str = "softmax", expert_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                             shared_expert_gate: bool = False):
+    """``add_rmsnorm(x, residual, norm_weight, eps)``, then ``moe_route_hidden`` of the normalised rows.
+
+    A decoder layer's post-attention norm and its MoE router in one launch on CUDA (up to 64 tokens,
+    hidden size up to 4096; otherwise the two ops). Arguments as in ``ember.ops.add_rmsnorm`` and
+    :func:`moe_route_hidden`. Returns ``(normed, new_residual, topk_weights, topk_ids)``.
+
+    Example:
+        >>> x, res = torch.randn(1, 64), torch.randn(1, 64)
+        >>> normed, res, w, ids = ember.ops.add_rmsnorm_route_hidden(x, res, torch.ones(64), torch.randn(8, 64), 2)
+    """
+    top_k = _validate_route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling,
+                                   shared_expert_gate)
+    _checks.tensor("residual", residual)
+    eps = norm_ops._validate(x, residual, norm_weight, eps)
+    scaling = float(scaling)
+    args = (x, residual, norm_weight, router_weight, top_k, float(eps), renormalize, scoring, expert_bias, scaling,
+            shared_expert_gate)
+    if _dispatch.compiling():
+        return _add_norm_route_op(*args)
+    return _add_norm_route_impl(*args)
 
 
 def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

@@ -223,3 +223,70 @@ def test_gpu_cuda_graph_and_compile_fullgraph(cuda):
 
     out = check_compile_and_graph(f, x)
     assert_close(out / 2, float64_linear(x.reshape(1, -1), w, b).reshape(1, 1, -1), torch.bfloat16)
+
+
+# ------------------------------------------------------------------ pre-attention add_rmsnorm folded into the GEMV
+def float64_add_rmsnorm_linear(x, res, lnw, w, b, eps=1e-6):
+    """float64 spec: the residual sum rounded once to x.dtype, the norm rounded once (as add_rmsnorm
+    stores it, what the unfused linear reads), then the product in float64."""
+    h = (x.double() + res.double()).to(x.dtype)
+    hd = h.double()
+    normed = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * lnw.double()).to(x.dtype)
+    return float64_linear(normed, w, b), h
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS)
+@pytest.mark.parametrize("N, K", [(16, 1024), (37, 520)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_add_norm_configs_interpreter(interpreter, config, N, K, dtype):
+    x, w, b = operands(N, K, dtype)
+    res = torch.randn(1, K).to(dtype)
+    lnw = (1 + 0.1 * torch.randn(K)).to(dtype)
+    new_res = poisoned((K,), dtype, "cpu")
+    out = poisoned((1, N), dtype, "cpu")
+    _dispatch.kernels("gemv").linear(x, w, b, config=config, out=out, add_norm=(res.view(K), lnw, 1e-6, new_res))
+    y64, h = float64_add_rmsnorm_linear(x, res, lnw, w, b)
+    assert torch.equal(new_res, h.view(K))
+    # the kernel normalises in fp32 with its own reduction order: a normalised element may round to
+    # the neighbouring value, so compare with one extra rounding's worth of slack
+    assert_close(out, y64, dtype)
+
+
+def test_add_rmsnorm_linear_public_op_paths(interpreter, monkeypatch):
+    x, w, b = operands(48, 96, torch.float32)
+    res, lnw = torch.randn(1, 96), 1 + 0.1 * torch.randn(96)
+    y, new_res = ember.ops.add_rmsnorm_linear(x, res, lnw, w, b)  # the folded GEMV (forced Triton)
+    y_ref, res_ref = linear_mod.add_rmsnorm_linear_reference(x, res, lnw, w, b)
+    assert torch.equal(new_res, res_ref) and torch.allclose(y, y_ref, atol=1e-5)
+    x2 = torch.randn(3, 96)  # several rows: the two ops
+    y2, r2 = ember.ops.add_rmsnorm_linear(x2, torch.randn(3, 96), lnw, w)
+    assert y2.shape == (3, 48) and r2.shape == (3, 96)
+    monkeypatch.setenv("EMBER_FORCE_TRITON", "0")  # the reference path: the two ops, exactly
+    y3, r3 = ember.ops.add_rmsnorm_linear(x, res, lnw, w, b)
+    normed, r_exp = ember.ops.add_rmsnorm(x, res, lnw)
+    assert torch.equal(r3, r_exp) and torch.equal(y3, ember.ops.linear(normed, w, b))
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: (torch.randn(1, 64), torch.randn(1, 32), torch.ones(64), torch.randn(8, 64)), "residual"),
+    (lambda: (torch.randn(1, 64), torch.randn(1, 64), torch.ones(32), torch.randn(8, 64)), "weight"),
+    (lambda: (torch.randn(1, 64), torch.randn(1, 64), torch.ones(64), torch.randn(8, 32)), "weight"),
+])
+def test_add_rmsnorm_linear_bad_input(make, match):
+    x, res, lnw, w = make()
+    with pytest.raises((ValueError, TypeError), match=match):
+        ember.ops.add_rmsnorm_linear(x, res, lnw, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K", [(5120, 2048), (4096, 4096), (1000, 300)])
+def test_gpu_add_rmsnorm_linear_vs_two_ops(cuda, N, K):
+    x, w, _ = operands(N, K, torch.bfloat16, bias=False, device=cuda)
+    res = torch.randn(1, K, device=cuda).bfloat16()
+    lnw = (1 + 0.1 * torch.randn(K, device=cuda)).bfloat16()
+    y, new_res = ember.ops.add_rmsnorm_linear(x, res, lnw, w)
+    y64, h = float64_add_rmsnorm_linear(x, res, lnw, w, None)
+    assert torch.equal(new_res.cpu(), h.cpu())
+    assert_close(y, y64, torch.bfloat16)
+    out = check_compile_and_graph(lambda t: ember.ops.add_rmsnorm_linear(t, res, lnw, w)[0], x)
+    assert out.shape == (1, N)

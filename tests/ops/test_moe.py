@@ -576,6 +576,84 @@ def test_gpu_route_hidden_qwen3_shapes_in_graph(cuda):
     assert mismatches <= 1
 
 
+# ------------------------------------------------------------------ post-attention add_rmsnorm + router, one launch
+def float64_add_rmsnorm(x, residual, weight, eps):
+    """The norm's spec in float64: the residual sum rounded once to x.dtype (what the stream carries)."""
+    h = (x.double() + residual.double()).to(x.dtype)
+    hd = h.double()
+    return (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()), h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,e,h,k", [(1, 8, 100, 2), (3, 16, 64, 4)])
+def test_add_rmsnorm_route_kernel_interpreter(interpreter, dtype, T, e, h, k):
+    from ember.kernels import moe as kmod
+    router = (torch.randn(e, h) / h ** 0.5).to(dtype)
+    lnw = (1 + 0.1 * torch.randn(h)).to(dtype)
+    for _ in range(2):  # the second call proves the arrival counters were reset by the first
+        x, res = torch.randn(T, h).to(dtype), torch.randn(T, h).to(dtype)
+        normed, new_res = poisoned((T, h), dtype, "cpu"), poisoned((T, h), dtype, "cpu")
+        w, ids = kmod.route_hidden(x, router, k, True, add_norm=(res, lnw, 1e-6, normed, new_res))
+        n64, h_exp = float64_add_rmsnorm(x, res, lnw, 1e-6)
+        assert torch.equal(new_res, h_exp)
+        assert_close(normed, n64, dtype)
+        # routing of the rows the kernel normalised (checked just above), in float64
+        w64, ids64 = float64_route_hidden(normed, router, k)
+        assert torch.equal(ids.long(), ids64)
+        assert_close(w, w64.float())
+
+
+@pytest.mark.parametrize("scoring,shared", [("softmax", False), ("sigmoid", False), ("softmax", True)])
+def test_add_rmsnorm_route_public_op_matches_the_two_ops(interpreter, monkeypatch, scoring, shared):
+    x, res, lnw = torch.randn(2, 64), torch.randn(2, 64), 1 + 0.1 * torch.randn(64)
+    router = torch.randn(9, 64) / 8
+    kw = dict(eps=1e-5, renormalize=True, scoring=scoring, shared_expert_gate=shared)
+    if scoring == "sigmoid":
+        kw.update(expert_bias=0.1 * torch.randn(9), scaling=2.0)
+    got = moe_ops.add_rmsnorm_route_hidden(x, res, lnw, router, 3, **kw)  # the fused kernel (forced Triton)
+    ref = moe_ops.add_rmsnorm_route_hidden_reference(x, res, lnw, router, 3, **kw)
+    assert torch.equal(got[1], ref[1]) and torch.allclose(got[0], ref[0], atol=1e-5)
+    assert torch.equal(got[3], ref[3]) and torch.allclose(got[2], ref[2], atol=1e-5)
+    monkeypatch.setenv("EMBER_FORCE_TRITON", "0")  # the reference path: the two ops, exactly
+    two = moe_ops.add_rmsnorm_route_hidden(x, res, lnw, router, 3, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(two, ref))
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: (torch.randn(1, 64), torch.randn(1, 32), torch.ones(64)), "residual"),
+    (lambda: (torch.randn(1, 64), torch.randn(1, 64).double(), torch.ones(64)), "residual"),
+    (lambda: (torch.randn(1, 64), torch.randn(1, 64), torch.ones(32)), "weight"),
+])
+def test_add_rmsnorm_route_bad_input(make, match):
+    x, res, lnw = make()
+    with pytest.raises((ValueError, TypeError), match=match):
+        moe_ops.add_rmsnorm_route_hidden(x, res, lnw, torch.randn(8, 64), 2)
+
+
+@pytest.mark.gpu
+def test_gpu_add_rmsnorm_route_qwen3_shapes_in_graph(cuda):
+    router = (torch.randn(QE, QH, device=cuda) / QH ** 0.5).bfloat16()
+    lnw = (1 + 0.1 * torch.randn(QH, device=cuda)).bfloat16()
+    x, res = torch.zeros(1, QH, device=cuda, dtype=torch.bfloat16), torch.zeros(1, QH, device=cuda, dtype=torch.bfloat16)
+    moe_ops.add_rmsnorm_route_hidden(x, res, lnw, router, QK)  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = moe_ops.add_rmsnorm_route_hidden(x, res, lnw, router, QK)
+    mismatches = 0
+    for i in range(300):
+        x.copy_(torch.randn(1, QH, device=cuda))
+        res.copy_(torch.randn(1, QH, device=cuda))
+        g.replay()
+        if i % 30 == 0:
+            n_ref, r_ref = ember.ops.add_rmsnorm(x, res, lnw, 1e-6)
+            assert torch.equal(out[1], r_ref)
+            torch.testing.assert_close(out[0].float(), n_ref.float(), rtol=8e-3, atol=1e-2)  # 1 bf16 ulp
+            w_ref, ids_ref = moe_ops.moe_route_hidden(out[0], router, QK)  # routing of the kernel's rows
+            mismatches += int(not torch.equal(out[3], ids_ref))
+            torch.testing.assert_close(out[2], w_ref, rtol=2e-2, atol=1e-4)
+    assert mismatches <= 1
+
+
 def float64_sigmoid_route(x, router, top_k, bias, renormalize, scaling):
     """LFM2 routing in float64 from logits rounded once to x.dtype (what F.linear returns)."""
     s = (x.double() @ router.double().t()).to(x.dtype).double().sigmoid()

@@ -137,11 +137,13 @@ class Attention(nn.Module):
         """``decode(add_rmsnorm(m, residual, norm_weight))`` with the norm folded into the qkv GEMV.
 
         Batch 1 with an unscaled, bias-free qkv weight only (``ember.ops.add_rmsnorm_linear``); returns
-        ``(out, new_residual)``, or None where the fold does not apply (``EMBER_NORM_QKV_FUSED=0`` too):
-        the caller then runs the norm and :meth:`decode`.
+        ``(out, new_residual)``, or None where the fold does not apply: the caller then runs the norm
+        and :meth:`decode`. Opt-in (``EMBER_NORM_QKV_FUSED=1``): on the H200 it made the Qwen3-30B-A3B
+        step 0.36 ms slower (2.955 vs 2.593 ms; bench/results/h200/step_variants_norm_fold.json), as
+        each of the GEMV's 1280 programs recomputes the row's norm before its first product.
         """
         if (m.shape[0] != 1 or type(self.qkv) is not Linear or self.qkv.bias is not None
-                or os.environ.get("EMBER_NORM_QKV_FUSED", "1") != "1" or os.environ.get("EMBER_FUSED_QKV", "0") == "1"):
+                or os.environ.get("EMBER_NORM_QKV_FUSED", "0") != "1" or os.environ.get("EMBER_FUSED_QKV", "0") == "1"):
             return None
         c = self.cfg
         qkv, new_residual = ember.ops.add_rmsnorm_linear(m, residual, norm_weight, self.qkv.weight, eps=eps)

@@ -80,3 +80,19 @@ def test_prefill_last_index_reads_the_last_real_position_of_a_padded_prompt(pair
     out = em.net.prefill(padded, last_index=torch.tensor([12]))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(em.net.prefill(padded, last_only=True), ref, atol=1e-3)  # the pad's own logits differ
+
+
+@pytest.mark.parametrize("env", [{"EMBER_NORM_QKV_FUSED": "1"}, {"EMBER_NORM_ROUTE_FUSED": "0"}])
+def test_cached_decode_with_the_norm_folds_switched_matches_transformers(pair, monkeypatch, interpreter, env):
+    """The opt-in pre-attention norm fold (qkv GEMV) and the unfused post-attention norm, through the
+    Triton kernels (interpreter): the cached decode logits still match transformers' forward."""
+    hf, em = pair
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    prompt = torch.randint(0, 128, (1, 5))
+    tokens = torch.randint(0, 128, (4,)).tolist()
+    full = torch.cat([prompt, torch.tensor([tokens])], 1)
+    with torch.no_grad():
+        ref_logits = hf(full).logits[0, 4:-1]
+    dec = _engine_decode_logits(em, prompt, tokens)
+    assert (dec - ref_logits).abs().max().item() <= 1e-4 * ref_logits.abs().max().item()

@@ -4,9 +4,11 @@ Floors (H200: 4.15 TB/s copy bandwidth, ~2-3 us per dependent kernel launch insi
   * [1, 128256] fp32 is 513 KB: 0.12 us of HBM time, so one row is pure latency. softmax (one launch
     with a grid barrier for few rows) reads it once and writes it once; argmax (one launch, atomics
     on the row's slot) reads it once. One launch plus the barrier or atomics: ~3-4 us measured.
-  * [256, 128256] fp32 softmax moves 131 MB in + 131 MB out = 263 MB -> 63 us at copy bandwidth
-    (too many rows for the one-launch path: the two-launch kernel re-reads the input; the second
-    read hits L2 only for the rows read last, hence ~59% of copy bandwidth).
+  * [256, 128256] fp32 softmax moves 131 MB in + 131 MB out = 263 MB -> 63 us at copy bandwidth.
+    The two-launch kernel re-reads the input (394 MB; the second read hits L2 only for the rows read
+    last): 107.9 us measured, 59% of copy bandwidth. The persistent one-launch kernel (per-row
+    barriers, x read once): 93.6 us, 67.5% measured at its default 8192,8,2,1 (target 80%, missed;
+    ``wave_sweep`` times its shapes, ember/kernels/sampling.py ``_softmax_waves_kernel`` has the table).
   * sample [1, 128256]: two launches over 513 KB plus a sort of <= 512 candidates in one program.
 """
 from __future__ import annotations
@@ -121,6 +123,61 @@ def sweep(path: str | None = None) -> dict:
         with env_vars({"EMBER_SAMPLING_MIN_CHUNK": str(chunk)}):
             results[chunk] = {name: _timing.graph_time_us([lambda x=x, f=f: f(x) for x in xs]) for name, f in ops.items()}
         print(chunk, {k: round(v, 2) for k, v in results[chunk].items()}, flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+# The default first. Measured before (kernel docstring): 16384,16,1,0/1 and 8192,16,1,1 lose (one
+# program per SM). New: 24 rows in flight per wave instead of 16 (8192,8,3,1 and 4096,4,6,1, an
+# 80-register cap), and 8 small programs per SM (2048,4,8,1, 64 registers). Local sm_90 compile
+# (triton 3.6's ptxas, cuobjdump): these three spill a 240-352 B stack frame per thread, the default
+# 32-104 B (the H200 reported 127 registers, 0 local bytes for it); the sweep measures what that costs.
+WAVE_CONFIGS = ("8192,8,2,1", "4096,4,4,1", "8192,8,2,0", "8192,8,3,1", "4096,4,6,1", "2048,4,8,1")
+
+
+def wave_sweep(path: str | None = None, configs=WAVE_CONFIGS, shape=(256, VOCAB)) -> dict:
+    """Graph-timed fp32 softmax of ``shape`` per EMBER_SOFTMAX_WAVES config ("CHUNK,WARPS,PER_SM,PREFETCH"),
+    with the two-launch path and torch.softmax timed in the same run (on the GPU)."""
+    import json
+
+    from ember import _dispatch
+    k = _dispatch.kernels("sampling")
+    dev = torch.device("cuda")
+    xs = [torch.randn(shape, device=dev) * 3 for _ in range(_timing.copies_to_exceed_l2(4 * shape[0] * shape[1]))]
+    nbytes = 2 * 4 * shape[0] * shape[1]
+    ref = torch.softmax(xs[0].double(), -1)
+
+    def line(name, us, extra=""):
+        gbps = nbytes / us / 1e3
+        print(f"{name:>16}: {us:8.2f} us  {gbps:7.0f} GB/s  {gbps / COPY_BW_GBPS:5.1%} of copy{extra}", flush=True)
+        return {"us": us, "GBps": gbps}
+
+    results = {}
+    with env_vars({"EMBER_SOFTMAX_ONE_LAUNCH": "0"}):
+        us = _timing.graph_time_us([lambda x=x: ember.ops.softmax(x) for x in xs])
+    results["two_launch"] = line("two launches", us)
+    results["torch"] = line("torch.softmax", _timing.graph_time_us([lambda x=x: torch.softmax(x, -1) for x in xs]))
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for text in configs:
+        give_ups = k.barrier_give_ups(dev)
+        try:
+            with env_vars({"EMBER_SOFTMAX_WAVES": text}):
+                cfg = k.wave_config()
+                P, _, R = k.wave_plan(shape[0], shape[1], sms, cfg)
+                out = torch.empty(shape, device=dev)
+                compiled = k.softmax_waves(xs[0], out, 1.0, False, cfg, P, R)
+                err = (out.double() - ref).abs().max().item()
+                us = _timing.graph_time_us([lambda x=x: ember.ops.softmax(x) for x in xs])
+            regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+            give_ups = k.barrier_give_ups(dev) - give_ups
+            results[text] = line(text, us, f"  P={P} R={R} programs={R * P} regs={regs} spills={spills} "
+                                           f"max|err|={err:.1e} give-ups={give_ups}")
+            results[text].update(P=P, R=R, regs=regs, spills=spills, max_abs_err=err, give_ups=give_ups)
+        except Exception as e:  # a config that fails to compile or run is reported, the sweep goes on
+            print(f"{text:>16}: FAILED {type(e).__name__}: {e}", flush=True)
+            results[text] = {"error": f"{type(e).__name__}: {e}"}
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

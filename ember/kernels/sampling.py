@@ -13,9 +13,18 @@ Two shapes of work:
       - softmax / log-softmax (``_softmax_one_launch_kernel``), when all B * P programs fit on the
         GPU at once (B * P <= SM count, real GPU only): each program publishes its chunk's max and sum
         of exp, waits at a grid barrier, combines its row's P partials and normalises the chunk it
-        still holds in registers (the row is read once, not twice). ``EMBER_SOFTMAX_ONE_LAUNCH=0``
-        forces the two-launch path (A/B timing).
-    Both keep their counters in a small persistent per-device workspace (``_workspace``) that every
+        still holds in registers (the row is read once, not twice).
+      - softmax / log-softmax of MANY long rows (B * P > SM count; ``_softmax_waves_kernel``): one
+        persistent launch of as many programs as fit on the GPU at once (``wave_plan``); each row is
+        split over P programs and the programs walk the rows in waves, meeting at a per-row barrier
+        (only the row's P siblings) between publishing their chunk's (max, sum of exp) and writing the
+        normalised chunk from registers. Again x is read once: [256, 128256] fp32 moves 131 MB in +
+        131 MB out = 263 MB, 63 us at 4.15 TB/s copy bandwidth. Measured (H200, graph-timed): 93.6 us,
+        67.5% of copy bandwidth, against 107.9 us for the two launches, which read x twice (394 MB:
+        131 MB > the 50 MB L2, so the second read mostly misses) and 135.8 us for torch.softmax; the
+        80% target is missed (the kernel docstring has the sweep and what limits it).
+      ``EMBER_SOFTMAX_ONE_LAUNCH=0`` forces the two-launch path for both softmax cases (A/B timing).
+    All keep their counters in a small persistent per-device workspace (``_workspace``) that every
     launch leaves in its initial state, so no memset launch is needed and the ops stay capturable.
     Expected (not yet measured): ~2 us less per call at [1, 128256] (one launch instead of two).
     Limitation: the workspace is per device, not per stream; two of these calls running concurrently
@@ -40,6 +49,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 import triton
@@ -258,6 +268,103 @@ def _softmax_one_launch_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, n_pro
             M = M_new
         tl.atomic_add(bar_ptr + 1, 1)
     tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
+
+
+# B, P, R, spin_cap: no divisibility / == 1 specialisation (it would compile a variant per batch
+# size and buys nothing); the strides and V keep theirs (vectorised loads and masks)
+@triton.jit(do_not_specialize=["B", "P", "R", "spin_cap"])
+def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_ptr, s_ptr, bar_ptr, row_bar_ptr,
+                          inv_t, spin_cap,
+                          LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr, PREFETCH: tl.constexpr,
+                          FALLBACK_BLOCK: tl.constexpr):
+    """Softmax of MANY rows split over P programs each, in ONE persistent launch that reads x once.
+
+    The grid is R * P programs, all resident at once (``wave_plan``: at most SM count x programs per
+    SM, with a register cap that lets that many fit). Program (r, c) = (pid // P, pid % P) owns chunk
+    c of rows r, r + R, r + 2R, ... (wave i: rows i*R .. i*R + R - 1). Per row it loads its chunk,
+    publishes (max, sum of exp) to the row's partial slots, waits at the ROW's barrier (only its P
+    siblings, all resident: no deadlock), combines the P partials and writes the normalised chunk
+    from registers. The x row is read from HBM once: 4 bytes in + 4 out per fp32 element, so
+    [256, 128256] fp32 is 263 MB, a 63 us floor at 4.15 TB/s.
+
+    Measured (H200, torch 2.11 / triton 3.6, ``wave_sweep``: [256, 128256] fp32, graph-timed, all
+    max|err| <= 1.4e-7, 0 give-ups; CHUNK,WARPS,PER_SM,PREFETCH -> programs = R x P):
+        two launches (x read twice)   107.86 us  58.6% of copy    torch.softmax  135.8 us
+        16384,16,1,1  128 = 16 x 8    114.36 us  55.3%            16384,16,1,0   122.69 us
+        8192,8,2,1    256 = 16 x 16    93.62 us  67.5%  (default) 8192,8,2,0     111.38 us
+        4096,4,4,1    512 = 16 x 32    93.52 us  67.6%            8192,16,1,1    128.07 us  (8 x 16)
+    Prefetch is worth ~18 us at the default (8 us at 16384,16,1); more (smaller) programs per SM
+    help (one per SM loses to two launches); 8192,8,2,1 and 4096,4,4,1 tie, the default is the one
+    with fewer programs (16 siblings per barrier, not 32). Best 67.6% of copy bandwidth: the 80%
+    target is MISSED.
+    What limits it (reasoning, not profiled): every configuration above has 16 rows in flight (an
+    SM's registers hold ~16K fp32 of chunk + ~16K of prefetch) and each program one row: per wave it
+    publishes, waits for its slowest sibling (a release/acquire round trip through L2), then writes.
+    The ~30 us above the floor is ~1.9 us per wave for 16 waves: the per-row barrier latency, which
+    a one-row prefetch only partly hides. What would close the gap: more rows in flight per wave
+    (PER_SM 3 / 6 under an 80-register cap: 24 rows; ``wave_sweep`` measures 8192,8,3,1 and
+    4096,4,6,1 next), or a prefetch two rows deep (a ring in shared memory, not registers).
+
+    Row barrier: ``row_bar_ptr[row]``, generation based like the grid barrier of
+    ``_softmax_one_launch_kernel``: chunk 0 adds BARRIER_GEN - (P - 1), the others 1, so each launch
+    adds exactly BARRIER_GEN per row and the counter is a multiple of it between launches; arrival v
+    -> complete at (v // BARRIER_GEN + 1) * BARRIER_GEN. One counter per row (not per wave slot):
+    a program that gave up on one row cannot confuse its siblings' counts on the next rows.
+    Memory order as in the grid barrier (partials stored -> CTA barrier -> release add; acquire
+    polls -> CTA barrier -> partials read from L2).
+    PREFETCH: the next row's chunk is loaded (raw, converted only in the next iteration so no
+    instruction waits on it) right after the arrival, so the HBM read overlaps the barrier wait.
+    A program that polls ``spin_cap`` times without seeing its siblings recomputes the row's max and
+    sum from the whole row (exact, slow) and counts it in ``bar_ptr[1]``; the next row's barrier is
+    its own counter, unaffected.
+    """
+    pid = tl.program_id(0)
+    r = pid // P
+    c = pid % P
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < V
+    n_rows = (B - r + R - 1) // R          # host guarantees R <= B, so r < B and n_rows >= 1
+    row = r.to(tl.int64)
+    xr = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf"))
+    for i in range(0, n_rows):
+        row = (r + i * R).to(tl.int64)
+        z = xr.to(tl.float32) * inv_t
+        m, s = _chunk_max_sum(z)
+        tl.store(m_ptr + row * P + c, m)
+        tl.store(s_ptr + row * P + c, s)
+        tl.debug_barrier()  # every thread's stores precede the release below
+        add = tl.where(c == 0, BARRIER_GEN - (P - 1), 1).to(tl.int64)
+        v = tl.atomic_add(row_bar_ptr + row, add, sem="acq_rel", scope="gpu")
+        nxt = row + R
+        # past the last row: an all-false mask (written as a comparison: the interpreter mis-types
+        # block_mask & scalar_bool)
+        nxt_mask = cols < tl.where(nxt < B, V, 0)
+        if PREFETCH:
+            xr = tl.load(x_ptr + nxt * stride_x + cols, mask=nxt_mask, other=-float("inf"))
+        target = (v // BARRIER_GEN + 1) * BARRIER_GEN
+        cur = v + add
+        polls = 0
+        while (cur < target) & (polls < spin_cap):
+            cur = tl.atomic_add(row_bar_ptr + row, 0, sem="acquire", scope="gpu")
+            polls += 1
+        tl.debug_barrier()
+        M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
+        if cur < target:
+            # gave up waiting: the whole row from HBM, online max / sum (slow, exact, counted)
+            M = tl.full([], -float("inf"), tl.float32)
+            Z = tl.full([], 0.0, tl.float32)
+            for start in range(0, V, FALLBACK_BLOCK):
+                fc = start + tl.arange(0, FALLBACK_BLOCK)
+                w = tl.load(x_ptr + row * stride_x + fc, mask=fc < V, other=-float("inf")).to(tl.float32) * inv_t
+                mw, sw = _chunk_max_sum(w)
+                M_new = tl.maximum(M, mw)
+                Z = tl.where(M > -float("inf"), Z * tl.exp(M - M_new), 0.0) + \
+                    tl.where(mw > -float("inf"), sw * tl.exp(mw - M_new), 0.0)
+                M = M_new
+            tl.atomic_add(bar_ptr + 1, 1)
+        tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
+        if not PREFETCH:
+            xr = tl.load(x_ptr + nxt * stride_x + cols, mask=nxt_mask, other=-float("inf"))
 
 
 # ----------------------------------------------------------------------------- split rows, launch 1
@@ -498,25 +605,31 @@ def _stats(x2, t_ptr, t_scalar, t_per_row, chunk, P, sample_state=None):
 
 
 # ----------------------------------------------------------------------------- persistent workspace
-# One int64 buffer per device: [barrier counter, barrier give-ups, best[cap] (INT64_MIN), count[cap] (0)].
-# Every launch that uses it leaves it in this state. Never freed: CUDA graphs captured earlier keep
+# One int64 buffer per device: [grid barrier counter, barrier give-ups, best[cap] (INT64_MIN),
+# count[cap] (0), row barrier[cap] (0)]. Every launch that uses it leaves it in this state (the
+# barrier counters: a multiple of BARRIER_GEN). Never freed: CUDA graphs captured earlier keep
 # pointing at it, so an outgrown buffer is parked in _OUTGROWN rather than released.
 _WORKSPACES: dict[tuple[str, int | None], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
 
 
 def _fresh_workspace(device: torch.device, cap: int) -> torch.Tensor:
-    ws = torch.zeros(2 + 2 * cap, dtype=torch.int64, device=device)
+    ws = torch.zeros(2 + 3 * cap, dtype=torch.int64, device=device)
     ws[2:2 + cap].fill_(-(1 << 63))
     return ws
+
+
+def _workspace_cap(ws: torch.Tensor) -> int:
+    return (ws.numel() - 2) // 3
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(barrier [2], best [rows], count [rows]) views of the device's workspace, in their initial state.
+def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grid barrier [2], best [rows], count [rows], row barrier [rows]) views of the device's
+    workspace, in their initial state.
 
     First needed (or needed larger) during CUDA-graph capture: the buffer is a temporary of that
     capture, initialised by fills that are captured too (they rerun before the kernel on every replay,
@@ -525,7 +638,7 @@ def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Ten
     """
     key = (device.type, device.index)
     ws = _WORKSPACES.get(key)
-    if ws is None or (ws.numel() - 2) // 2 < rows:
+    if ws is None or _workspace_cap(ws) < rows:
         cap = max(64, triton.next_power_of_2(rows))
         fresh = _fresh_workspace(device, cap)
         if _capturing(device):
@@ -537,8 +650,8 @@ def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Ten
             if ws is not None:
                 _OUTGROWN.append(ws)
             ws = _WORKSPACES[key] = fresh
-    cap = (ws.numel() - 2) // 2
-    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows]
+    cap = _workspace_cap(ws)
+    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows], ws[2 + 2 * cap:2 + 2 * cap + rows]
 
 
 def barrier_give_ups(device: torch.device) -> int:
@@ -555,19 +668,28 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _one_launch_split(x2: torch.Tensor) -> tuple[int, int, int] | None:
-    """(CHUNK, P, PB) for the one-launch softmax, or None when it must not run.
-
-    Needs a real GPU (the interpreter runs programs one at a time: the barrier would never fill) and
-    every program resident at once: B * P <= SM count, one program per SM at most. Chunks grow from
-    _split's up to ROW_BLOCK_MAX to fit more rows (P shrinks), e.g. 4 rows of 128256 -> 4 x 32 programs.
-    """
+def _one_launch_enabled(x2: torch.Tensor) -> bool:
+    """One-launch (barrier) kernels need a real GPU: the interpreter runs programs one at a time, so a
+    barrier would never fill. ``EMBER_SOFTMAX_ONE_LAUNCH=0`` turns them off (two launches, for A/B)."""
     if os.environ.get("EMBER_SOFTMAX_ONE_LAUNCH", "1") in ("0", "false", "False"):
-        return None
-    if x2.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return x2.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def _device_sms(x2: torch.Tensor) -> int:
+    return _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device())
+
+
+def _one_launch_split(x2: torch.Tensor) -> tuple[int, int, int] | None:
+    """(CHUNK, P, PB) for the few-row one-launch softmax, or None when it must not run.
+
+    Needs every program resident at once: B * P <= SM count, one program per SM at most. Chunks grow
+    from _split's up to ROW_BLOCK_MAX to fit more rows (P shrinks), e.g. 4 rows of 128256 -> 4 x 32.
+    """
+    if not _one_launch_enabled(x2):
         return None
     B, V = x2.shape
-    return fit_split(B, V, _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()))
+    return fit_split(B, V, _device_sms(x2))
 
 
 def fit_split(B: int, V: int, sms: int) -> tuple[int, int, int] | None:
@@ -586,29 +708,132 @@ def softmax_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature: float, 
     """The grid-barrier launch; the caller guarantees co-residency (_one_launch_split)."""
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
-    barrier, _, _ = _workspace(x2.device, 0)
+    barrier, _, _, _ = _workspace(x2.device, 0)
     _softmax_one_launch_kernel[(B, P)](x2, out, x2.stride(0), out.stride(0), V, P, B * P, part[0], part[1],
                                        barrier, 1.0 / temperature, spin_cap,
                                        LOG=log, CHUNK=chunk, PB=max(2, triton.next_power_of_2(P)),
                                        num_warps=_warps(chunk))
 
 
-def softmax(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool) -> None:
-    """Row softmax (or log-softmax) of ``x2 / temperature`` into fp32 ``out`` (both 2-d, unit last stride)."""
+# ----------------------------------------------------------------------------- many long rows, one launch
+class WaveConfig(NamedTuple):
+    """Shape of the persistent many-row softmax (``_softmax_waves_kernel``).
+
+    ``per_sm`` programs fit on one SM when their registers do (``max_registers`` is passed to ptxas as
+    .maxnreg, so they do by construction; too low a cap spills, slower but still resident), their
+    threads do (per_sm * warps * 32 <= 2048, checked by ``wave_config``) and their shared memory does
+    (<= 16 KB each, sm_90 compile: a layout conversion for 16-bit input; an SM has 228 KB).
+    """
+    chunk: int     # elements per program (power of 2, held in registers)
+    warps: int     # num_warps per program
+    per_sm: int    # programs resident per SM (the register cap below makes them fit)
+    prefetch: int  # 1: load the next row's chunk before waiting at the row barrier
+
+    def max_registers(self) -> int:
+        """Per-thread register cap (ptxas .maxnreg) so ``per_sm`` programs fit in an SM's 64K registers."""
+        return min(255, 65536 // (self.per_sm * self.warps * 32) // 8 * 8)
+
+
+# Measured best (H200, ember.bench.sampling.wave_sweep, [256, 128256] fp32): 93.6 us, 67.5% of copy
+# bandwidth, vs 114.4 us for 16384,16,1,1 and 107.9 us for two launches. 4096,4,4,1 ties (93.5 us)
+# with twice the programs; two programs of 8 warps per SM, 32 + 32 (prefetch) registers of chunk per
+# thread under the 128 cap, no spills.
+WAVES_DEFAULT = WaveConfig(8192, 8, 2, 1)
+
+
+def wave_config() -> WaveConfig:
+    """WAVES_DEFAULT, or ``EMBER_SOFTMAX_WAVES="CHUNK,WARPS,PER_SM,PREFETCH"`` (A/B sweeps)."""
+    text = os.environ.get("EMBER_SOFTMAX_WAVES", "")
+    if not text:
+        return WAVES_DEFAULT
+    try:
+        cfg = WaveConfig(*(int(v) for v in text.split(",")))
+    except (TypeError, ValueError):
+        cfg = None
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    if (cfg is None or not pow2(cfg.chunk) or not 1024 <= cfg.chunk <= ROW_BLOCK_MAX or not pow2(cfg.warps)
+            or cfg.warps > 32 or cfg.per_sm < 1 or cfg.per_sm * cfg.warps > 64 or cfg.prefetch not in (0, 1)):
+        raise ValueError("EMBER_SOFTMAX_WAVES: expected 'CHUNK,WARPS,PER_SM,PREFETCH' with CHUNK a power of 2 in "
+                         f"[1024, {ROW_BLOCK_MAX}], WARPS a power of 2 <= 32, PER_SM * WARPS <= 64 (2048 threads "
+                         f"per SM), PREFETCH 0 or 1; got {text!r}")
+    return cfg
+
+
+def wave_plan(B: int, V: int, sms: int, cfg: WaveConfig) -> tuple[int, int, int] | None:
+    """(P, PB, R) for the persistent many-row softmax: P programs per row, R rows per wave.
+
+    At most ``sms * per_sm`` programs (all resident). The waves are balanced: R = ceil(B / waves) with
+    as few waves as the slots allow, e.g. 256 rows of 128256 on 132 SMs x 1: P = 8, 16 waves of 16
+    rows (128 programs). None when one row needs more programs than there are slots.
+    """
+    P = triton.cdiv(V, cfg.chunk)
+    slots = sms * cfg.per_sm
+    if P > slots or B < 1:
+        return None
+    waves = triton.cdiv(B, slots // P)
+    R = triton.cdiv(B, waves)
+    return P, max(2, triton.next_power_of_2(P)), R
+
+
+def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool, cfg: WaveConfig,
+                  P: int, R: int, spin_cap: int = SPIN_CAP):
+    """The persistent row-barrier launch: R * P programs; the caller guarantees co-residency (wave_plan).
+
+    Returns what Triton's launch returns (the compiled kernel on a GPU: its n_regs / n_spills for sweeps).
+    """
     B, V = x2.shape
+    part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
+    barrier, _, _, row_barrier = _workspace(x2.device, B)
+    return _softmax_waves_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
+                                    barrier, row_barrier, 1.0 / temperature, spin_cap,
+                                    LOG=log, CHUNK=cfg.chunk, PB=max(2, triton.next_power_of_2(P)),
+                                    PREFETCH=cfg.prefetch, FALLBACK_BLOCK=min(cfg.chunk, 2048),
+                                    num_warps=cfg.warps, maxnreg=cfg.max_registers())
+
+
+def softmax_path(B: int, V: int, sms: int, one_launch: bool, cfg: WaveConfig | None = None) -> tuple:
+    """Which softmax kernel runs for B rows of V on ``sms`` SMs (pure: tested on CPU):
+
+    ("row",) V <= ROW_BLOCK_MAX, one row per program; ("grid", CHUNK, P) few long rows, one launch
+    with a grid barrier; ("waves", cfg, P, R) many long rows, one persistent launch with per-row
+    barriers; ("two",) two launches (x read twice): when ``one_launch`` is off, or a row needs more
+    programs than the GPU holds at once.
+    """
     if V <= ROW_BLOCK_MAX:
+        return ("row",)
+    if one_launch:
+        fit = fit_split(B, V, sms)
+        if fit is not None:
+            return ("grid", fit[0], fit[1])
+        cfg = cfg or wave_config()
+        plan = wave_plan(B, V, sms, cfg)
+        if plan is not None:
+            return ("waves", cfg, plan[0], plan[2])
+    return ("two",)
+
+
+def softmax(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool) -> None:
+    """Row softmax (or log-softmax) of ``x2 / temperature`` into fp32 ``out`` (both 2-d, unit last stride).
+
+    The kernel is ``softmax_path``'s choice: the one-launch paths (grid barrier, or per-row barriers
+    in waves) read x once; they need a real GPU and ``EMBER_SOFTMAX_ONE_LAUNCH`` not 0.
+    """
+    B, V = x2.shape
+    enabled = V > ROW_BLOCK_MAX and _one_launch_enabled(x2)
+    path = softmax_path(B, V, _device_sms(x2) if enabled else 0, enabled)
+    if path[0] == "row":
         block = triton.next_power_of_2(V)
         _softmax_row_kernel[(B,)](x2, out, x2.stride(0), out.stride(0), V, 1.0 / temperature,
                                   LOG=log, BLOCK=block, num_warps=_warps(block))
-        return
-    one = _one_launch_split(x2)
-    if one is not None:
-        softmax_one_launch(x2, out, temperature, log, one[0], one[1])
-        return
-    chunk, P, PB = _split(V)
-    m, s, a = _stats(x2, x2, temperature, False, chunk, P)
-    _softmax_finish_kernel[(B, P)](x2, out, x2.stride(0), out.stride(0), V, P, m, s, a, 1.0 / temperature, B,
-                                   LOG=log, CHUNK=chunk, PB=PB, num_warps=_warps(chunk))
+    elif path[0] == "grid":
+        softmax_one_launch(x2, out, temperature, log, path[1], path[2])
+    elif path[0] == "waves":
+        softmax_waves(x2, out, temperature, log, *path[1:])
+    else:
+        chunk, P, PB = _split(V)
+        m, s, a = _stats(x2, x2, temperature, False, chunk, P)
+        _softmax_finish_kernel[(B, P)](x2, out, x2.stride(0), out.stride(0), V, P, m, s, a, 1.0 / temperature, B,
+                                       LOG=log, CHUNK=chunk, PB=PB, num_warps=_warps(chunk))
 
 
 def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
@@ -620,7 +845,7 @@ def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
                                  **pdl_options(x2.device))
         return
     chunk, P, _ = _split(V)
-    _, best, count = _workspace(x2.device, B)
+    _, best, count, _ = _workspace(x2.device, B)
     _argmax_split_kernel[(B, P)](x2, out, x2.stride(0), V, P, best, count, CHUNK=chunk, num_warps=_warps(chunk),
                                  **pdl_options(x2.device))
 

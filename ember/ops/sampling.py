@@ -327,10 +327,12 @@ def _as_tensor(v, batch, dtype, device):
 def softmax(x: torch.Tensor, dim: int = -1, *, temperature: float | None = None) -> torch.Tensor:
     """``softmax(x / temperature)`` along ``dim``, float32 output for fp32/bf16/fp16 input.
 
-    Rows up to 2^20 elements; few long rows are split across many programs on the GPU, in one
-    launch with a grid barrier when they all fit on the GPU at once (``EMBER_SOFTMAX_ONE_LAUNCH=0``
-    forces the two-launch path; ember/kernels/sampling.py). No value checks are needed: a program
-    that ever stops waiting at the barrier recomputes its row, so the output stays exact.
+    Rows up to 2^20 elements; long rows (> 16384) are split across many programs on the GPU in ONE
+    launch that reads the input once: a grid barrier when all the rows' programs fit on the GPU at
+    once, else persistent programs that walk the rows in waves with a barrier per row
+    (``EMBER_SOFTMAX_ONE_LAUNCH=0`` forces the two-launch path; ember/kernels/sampling.py). No value
+    checks are needed: a program that ever stops waiting at a barrier recomputes its row, so the
+    output stays exact.
 
     Example:
         >>> probs = ember.ops.softmax(torch.randn(2, 128256), temperature=0.7)

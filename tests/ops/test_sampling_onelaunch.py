@@ -1,9 +1,10 @@
-"""The one-launch split-row paths: argmax (last program of the row) and softmax (grid barrier).
+"""The one-launch split-row paths: argmax (last program of the row), softmax of few rows (grid
+barrier) and softmax of many rows (persistent programs, per-row barriers).
 
-On CPU the interpreter runs the argmax kernel through the public op, and the softmax kernel directly
-with a tiny spin cap: programs run one after another there, so every program but the last gives up
-waiting and recomputes its row (the fallback), and the last one combines the published partials (the
-normal path). Memory ordering and co-residency only exist on the GPU: the gpu tests below.
+On CPU the interpreter runs the argmax kernel through the public op, and the softmax kernels directly
+with a tiny spin cap: programs run one after another there, so every program but the last of a row
+gives up waiting and recomputes its row (the fallback), and the last one combines the published
+partials (the normal path). Memory ordering and co-residency only exist on the GPU: the gpu tests.
 """
 import math
 
@@ -12,12 +13,16 @@ import torch
 
 import ember
 from ember import _dispatch
+from ember.bench.sampling import WAVE_CONFIGS
 from tests.helpers import poisoned
 
 SOFTMAX_TOL = dict(atol=1e-7, rtol=1e-5)
 LOG_SOFTMAX_TOL = dict(atol=5e-6, rtol=1e-5)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INT64_MIN = -(1 << 63)
+GEN = 1 << 20          # BARRIER_GEN: what every launch adds to a barrier counter
+MANY_ROWS = [33, 256, 300]             # test_gpu_softmax_many_rows_vs_float64's shapes
+MANY_V = [20000, 128256, 151936]
 
 
 def _k():
@@ -25,10 +30,11 @@ def _k():
 
 
 def _assert_workspace_clean(ws):
-    cap = (ws.numel() - 2) // 2
-    assert int(ws[0]) % (1 << 20) == 0                 # barrier counter between launches
-    assert bool((ws[2:2 + cap] == INT64_MIN).all())    # argmax slots
-    assert bool((ws[2 + cap:] == 0).all())             # arrival counters
+    cap = (ws.numel() - 2) // 3
+    assert int(ws[0]) % GEN == 0                                # grid barrier counter between launches
+    assert bool((ws[2:2 + cap] == INT64_MIN).all())             # argmax slots
+    assert bool((ws[2 + cap:2 + 2 * cap] == 0).all())           # arrival counters
+    assert bool((ws[2 + 2 * cap:] % GEN == 0).all())            # row barriers (many-row softmax)
 
 
 # ------------------------------------------------------------------ argmax, interpreter
@@ -87,7 +93,7 @@ def test_softmax_one_launch_kernel_interpreter(interpreter, dtype):
     P = math.ceil(V / chunk)
     base = (torch.randn(B, V + 40) * 4).to(dtype)
     x = base[:, 20:20 + V]                             # rows not contiguous with each other
-    barrier, _, _ = k._workspace(x.device, 0)
+    barrier, _, _, _ = k._workspace(x.device, 0)
     start, give_ups = int(barrier[0]), int(barrier[1])
     for call, log in enumerate((False, True, False)):
         out = poisoned((B, V), torch.float32, "cpu")
@@ -115,8 +121,100 @@ def test_fit_split_chunks_grow_to_fit_the_sms():
 def test_one_launch_never_on_cpu_and_env_switch(interpreter, monkeypatch):
     k = _k()
     assert k._one_launch_split(torch.randn(1, 20000)) is None
+    assert not k._one_launch_enabled(torch.randn(300, 20000))
     monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
     assert k._one_launch_split(torch.randn(1, 20000)) is None
+
+
+# ------------------------------------------------------------------ many-row softmax (waves), CPU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch):
+    k = _k()
+    B, V, P, R = 5, 4500, 5, 2      # chunks of 1024 (the last holds 404); rows 0, 2, 4 | 1, 3: a short last wave
+    cfg = k.WaveConfig(1024, 4, 1, prefetch)
+    base = (torch.randn(B, V + 24) * 4).to(dtype)
+    x = base[:, 8:8 + V]                               # rows not contiguous with each other
+    x[3, 4400:] = -math.inf                            # -inf tail inside the partial chunk
+    barrier, _, _, row_bar = k._workspace(x.device, B)
+    start, give_ups = row_bar.clone(), int(barrier[1])
+    for call, (log, T) in enumerate(((False, 0.7), (True, 1.0), (False, 1.3))):
+        out = poisoned((B, V), torch.float32, "cpu")
+        k.softmax_waves(x, out, T, log, cfg, P, R, spin_cap=2)
+        exp = (torch.log_softmax if log else torch.softmax)(x.double() / T, -1)
+        torch.testing.assert_close(out.double(), exp, **(LOG_SOFTMAX_TOL if log else SOFTMAX_TOL))
+        # each launch adds exactly one generation per row; in each row all programs but the last
+        # (the interpreter runs them in turn) gave up waiting and recomputed the row
+        assert torch.equal(row_bar, start + (call + 1) * GEN)
+        assert int(barrier[1]) == give_ups + (call + 1) * B * (P - 1)
+
+
+def test_wave_plan_balanced_waves_within_the_slots():
+    k = _k()
+    big, two = k.WaveConfig(16384, 16, 1, 1), k.WaveConfig(8192, 8, 2, 1)
+    assert k.wave_plan(256, 128256, 132, big) == (8, 8, 16)     # 16 waves of 16 rows: 128 programs
+    assert k.wave_plan(300, 128256, 132, big) == (8, 8, 16)     # 19 waves, the last of 12 rows
+    assert k.wave_plan(33, 151936, 132, big) == (10, 16, 11)    # 13 rows would fit: 3 waves of 11
+    assert k.wave_plan(256, 128256, 132, two) == (16, 16, 16)   # 264 slots
+    assert k.wave_plan(3, 1 << 20, 132, big) == (64, 64, 2)
+    assert k.wave_plan(1, 1 << 20, 32, big) is None             # a row needs 64 programs, 32 slots
+    for cfg in (big, two, k.WaveConfig(4096, 4, 4, 0)):
+        for sms in (16, 78, 132):
+            for B in (1, 2, 17, 33, 255, 256, 300, 1000):
+                for V in (16385, 20000, 128256, 151936, 248320):
+                    plan = k.wave_plan(B, V, sms, cfg)
+                    P = -(-V // cfg.chunk)
+                    slots = sms * cfg.per_sm
+                    if P > slots:
+                        assert plan is None
+                        continue
+                    assert plan[0] == P and plan[1] >= P and plan[1] & (plan[1] - 1) == 0
+                    R = plan[2]
+                    waves = -(-B // R)
+                    assert 1 <= R <= B and R * P <= slots                 # every program resident
+                    assert waves == -(-B // (slots // P))                 # as few waves as the slots allow
+                    assert (waves - 1) * R < B and B <= waves * R          # no empty wave
+
+
+def test_wave_config_env_and_register_cap(monkeypatch):
+    k = _k()
+    monkeypatch.delenv("EMBER_SOFTMAX_WAVES", raising=False)
+    assert k.wave_config() == k.WAVES_DEFAULT
+    monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "8192,8,2,1")
+    assert k.wave_config() == (8192, 8, 2, 1)
+    assert k.WaveConfig(8192, 8, 2, 1).max_registers() == 128     # 2 x 256 threads x 128 = 64K
+    assert k.WaveConfig(16384, 16, 2, 0).max_registers() == 64
+    assert k.WaveConfig(4096, 4, 1, 0).max_registers() == 255      # the ISA's limit
+    for bad in ("8192,8,2", "3000,8,1,1", "512,4,1,0", "32768,16,1,1", "8192,6,1,1", "8192,16,8,1",
+                "8192,8,0,1", "8192,8,1,2", "fast"):
+        monkeypatch.setenv("EMBER_SOFTMAX_WAVES", bad)
+        with pytest.raises(ValueError, match="EMBER_SOFTMAX_WAVES.*" + bad):
+            k.wave_config()
+
+
+def test_softmax_path_by_shape(monkeypatch):
+    k = _k()
+    monkeypatch.delenv("EMBER_SOFTMAX_WAVES", raising=False)
+    assert k.softmax_path(300, 16384, 132, True) == ("row",)
+    assert k.softmax_path(4, 128256, 132, True) == ("grid", 4096, 32)
+    assert k.softmax_path(16, 128256, 132, True) == ("grid", 16384, 8)      # 128 programs
+    assert k.WAVES_DEFAULT == (8192, 8, 2, 1)                                 # the measured best
+    assert k.softmax_path(17, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 16, 9)  # 2 waves
+    assert k.softmax_path(256, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 16, 16)
+    assert k.softmax_path(256, 128256, 132, False) == ("two",)              # EMBER_SOFTMAX_ONE_LAUNCH=0
+    assert k.softmax_path(1, 1 << 20, 32, True) == ("two",)                  # a row needs 128 programs
+    monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "16384,16,1,0")
+    assert k.softmax_path(256, 128256, 132, True) == ("waves", (16384, 16, 1, 0), 8, 16)
+
+
+def test_many_rows_gpu_matrix_paths_on_h200(monkeypatch):
+    """test_gpu_softmax_many_rows_vs_float64's shapes on the H200's 132 SMs: 8 of 9 take the waves
+    kernel; [33, 20000] is 33 rows x 2 programs <= 132, so the grid-barrier kernel (also checked there)."""
+    k = _k()
+    monkeypatch.delenv("EMBER_SOFTMAX_WAVES", raising=False)
+    paths = {(B, V): k.softmax_path(B, V, 132, True)[0] for B in MANY_ROWS for V in MANY_V}
+    assert paths.pop((33, 20000)) == "grid"
+    assert set(paths.values()) == {"waves"}
 
 
 # ------------------------------------------------------------------ GPU
@@ -225,3 +323,102 @@ def test_gpu_workspace_first_needed_during_capture(cuda, monkeypatch):
         torch.testing.assert_close(sm.double(), torch.softmax(a[:1].double(), -1), **SOFTMAX_TOL)
     assert torch.equal(ember.ops.argmax(a), torch.argmax(a, -1))   # eager: a fresh cached workspace
     _assert_workspace_clean(k._WORKSPACES[("cuda", a.device.index)])
+
+
+# ------------------------------------------------------------------ many-row softmax (waves), GPU
+def _count_wave_launches(monkeypatch, k, name="softmax_waves"):
+    calls = []
+    real = getattr(k, name)
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+    monkeypatch.setattr(k, name, spy)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", MANY_V)
+@pytest.mark.parametrize("rows", MANY_ROWS)
+def test_gpu_softmax_many_rows_vs_float64(cuda, monkeypatch, dtype, V, rows):
+    k = _k()
+    calls = _count_wave_launches(monkeypatch, k)
+    grid_calls = _count_wave_launches(monkeypatch, k, "softmax_one_launch")
+    path = k.softmax_path(rows, V, k._device_sms(torch.empty(0, device=cuda)), True)[0]
+    assert path in ("waves", "grid")   # on the H200 [33, 20000] fits the grid barrier, the rest waves
+    base = (torch.randn(rows, V + 64, device=cuda) * 4).to(dtype)
+    base[5, 7:V:3] = -math.inf                         # -inf entries (masked out by exp)
+    for x in (base[:, :V].contiguous(), base[:, 32:32 + V]):      # contiguous and strided rows
+        for T in (None, 0.7):
+            for log in (False, True):
+                got = (ember.ops.log_softmax if log else ember.ops.softmax)(x, temperature=T)
+                exp = (torch.log_softmax if log else torch.softmax)(x.double() / (T or 1.0), -1)
+                torch.testing.assert_close(got.double(), exp, **(LOG_SOFTMAX_TOL if log else SOFTMAX_TOL))
+    # every call took the kernel softmax_path names for this shape
+    assert (len(calls), len(grid_calls)) == ((8, 0) if path == "waves" else (0, 8))
+    assert k.barrier_give_ups(base.device) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", WAVE_CONFIGS)
+def test_gpu_softmax_waves_configs(cuda, monkeypatch, config):
+    """Every EMBER_SOFTMAX_WAVES shape the sweep times is exact (and the path is taken)."""
+    k = _k()
+    monkeypatch.setenv("EMBER_SOFTMAX_WAVES", config)
+    calls = _count_wave_launches(monkeypatch, k)
+    x = (torch.randn(300, 151936 + 40, device=cuda) * 4)[:, 8:8 + 151936]
+    for log in (False, True):
+        got = (ember.ops.log_softmax if log else ember.ops.softmax)(x, temperature=0.9)
+        exp = (torch.log_softmax if log else torch.softmax)(x.double() / 0.9, -1)
+        torch.testing.assert_close(got.double(), exp, **(LOG_SOFTMAX_TOL if log else SOFTMAX_TOL))
+    assert len(calls) == 2 and k.barrier_give_ups(x.device) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_softmax_waves_repeated_calls_graph_replays_bitwise(cuda, monkeypatch):
+    k = _k()
+    calls = _count_wave_launches(monkeypatch, k)
+    x = torch.randn(256, 128256, device=cuda) * 3
+    for i in range(200):                               # 200 barrier generations per row, eager
+        x.mul_(-1.0) if i % 2 else x.add_(0.5)
+        got = ember.ops.softmax(x)
+        if i % 25 == 0 or i == 199:
+            torch.testing.assert_close(got.double(), torch.softmax(x.double(), -1), **SOFTMAX_TOL)
+    static = [torch.randn(256, 128256, device=cuda),
+              torch.randn(300, 151936 + 16, device=cuda).to(torch.bfloat16)[:, 16:]]     # strided bf16 rows
+
+    def calls_in_graph():
+        return [ember.ops.softmax(static[0], temperature=0.7), ember.ops.log_softmax(static[1])]
+    calls_in_graph()                                   # warm-up: compile, workspace for 300 rows
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = calls_in_graph()
+    for i in range(60):
+        static[0].copy_(torch.randn_like(static[0]) * (1 + i % 5))
+        static[1].copy_(torch.randn(300, 151936, device=cuda) * (1 + i % 3))
+        g.replay()
+        if i % 15 == 0 or i == 59:
+            eager = calls_in_graph()
+            assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])    # bitwise
+            torch.testing.assert_close(outs[0].double(), torch.softmax(static[0].double() / 0.7, -1), **SOFTMAX_TOL)
+            torch.testing.assert_close(outs[1].double(), torch.log_softmax(static[1].double(), -1), **LOG_SOFTMAX_TOL)
+    torch.cuda.synchronize()
+    assert len(calls) == 200 + 2 * (1 + 1 + 5)        # eager, warm-up, capture, the eager comparisons
+    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    assert k.barrier_give_ups(x.device) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_softmax_waves_env_switch_two_launch(cuda, monkeypatch):
+    k = _k()
+    calls = _count_wave_launches(monkeypatch, k)
+    x = torch.randn(64, 128256, device=cuda) * 3
+    monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
+    two = ember.ops.softmax(x)
+    assert calls == []
+    monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
+    one = ember.ops.softmax(x)
+    assert len(calls) == 1
+    torch.testing.assert_close(one, two, **SOFTMAX_TOL)
+    torch.testing.assert_close(one.double(), torch.softmax(x.double(), -1), **SOFTMAX_TOL)

@@ -7,36 +7,42 @@ width, so the kernel is a pure, bit-exact data movement for every dtype (bool, i
 Floor (issue 7 row, bf16 1x96x4x256x512 -> 1x96x6x258x514): 100.7 MB read + 152.8 MB written =
 253 MB -> 61 us at 4.15 TB/s (the bench's GB/s counts the same bytes).
 
-Why the first version ran at 20.7 GB/s (12.2 ms, H200): it tiled [64 rows x 64 cols] and split each
-row index with int64 ``//`` and ``%`` on runtime sizes. sm_90 has no 64-bit divide: ptxas calls
-``__cuda_sm20_div_s64`` (98 CALLs in the SASS), and around every call the thread's 16 row offsets,
-masks and loaded values went to local memory: ``STACK:3288`` bytes per thread, 2,884 LDL + 2,112 STL
-per thread against 32 useful 2-byte LDG/STG (cuobjdump/nvdisasm of the sm_90 cubin, triton 3.9).
-That local traffic (~3 KB per 128 B moved, over the L1 and into L2/DRAM) is the 67x, not the scalar
-``ld.global.b16``/``st.global.b16`` accesses, which only cost a few-fold on top. The host was not
-at fault: one launch, no copy of x, no reference path, ``.item()`` only on a CPU scalar, the same
-specialisation every call (grid 20,898 programs, BLOCK_C 64 for the 514-wide rows).
+History on the H200. v0 tiled [64 rows x 64 cols] with int64 ``//`` and ``%`` per row: sm_90 has
+no 64-bit divide, ptxas called ``__cuda_sm20_div_s64`` and spilled 3 KB a thread: 20.7 GB/s. v1
+(RB=8 rows x 128 words a program, 4 warps, 16-byte stores realigned from two 8-byte loads, int32
+division) measured 2260 GB/s = 54% of copy (112 us; torch F.pad 181 us). Why 54%, from its sm_90
+SASS (triton 3.6, ``.exp/pad_sass.py``): it was issue-bound, not memory-bound. ~1,100 warp
+instructions per warp for 2 rows (~550 per 1 KB row): a thread held one 16-byte chunk of each
+of 4 rows, so the row's multi-index (3 int32 divisions) and byte/word bookkeeping, redone per row
+and again in the element path's layout, cost more than the data movement; each chunk took 4
+LDG.64 + 4 64-bit funnel shifts (~6 instructions each); and the padding-only frames (the time
+pad: 1/3 of the output) ran the same code with masked loads. 148,608 rows x 550 = 82 M warp
+instructions: 78 us of issue at 4 x 132 issue slots a clock, more than the 61 us floor before
+any stall.
 
-This version: each program takes RB consecutive output rows (RB x 128 words = 8 KB a tile for
-this shape: 8 rows, 18,576 programs); the row multi-index is int32 ``//`` / ``%`` (inline, no call;
-int64 only where sizes need it), once per row per warp. When the columns are unit-stride on both
-sides and out is 16-byte aligned (the WIDE path), each row splits into
-  * a middle of whole 16-byte output chunks (fully interior, or a padding-only row): stored with
-    ``st.global.v2.b64`` on the output's 16-byte grid; the source bytes are realigned in registers
-    from two 8-byte loads (``ld.global.b64``, the second an L1 hit) and a funnel shift, because
-    source and destination rows differ in alignment (514 vs 512 columns here: no common grid);
-  * a few leftover elements (left/right padding, the partial chunks at both ends): element loads
-    and stores (~16 of 514 a row here).
-Other strides, or a misaligned out, take the element path for the whole row.
-sm_90 PTX/SASS of the WIDE bf16 kernel (triton 3.9, N_OUTER=3, RB=8, WB=128): before -> after
-  loads   32 x ld.global.b16                 -> 16 x ld.global.b64 (+2 b16 for the leftovers)
-  stores  32 x st.global.b16                 -> 4 x st.global.v2.b64 (+2 b16)
-  div/rem 195 int64 (98 CALL div_s64)        -> 12 div.s32 + 6 rem.s32, no CALL
-  local   STACK 3288 B, 2884 LDL / 2112 STL  -> STACK 0, no LDL/STL; 80 registers
-Expected effect (UNMEASURED: the H200 budget was spent): from 12.2 ms to near the 61 us floor,
-about the 80%-of-copy target (3.3 TB/s); by count, ~200 warp-instructions per 2 KB row against
-~520 issue slots a row at full bandwidth, with ~48 KB of loads in flight per SM (6 programs), so
-the kernel should be memory-bound. Re-run ``ember bench vae`` to confirm.
+This version (v2). Measured on the H200 (graph-timed, inputs rotated past L2, torch F.pad in the same
+process; bench/results/h200/pad_v2.json): the issue shape 69.8 us = 3631 GB/s = 87% of copy
+bandwidth (v1 112.8 us, F.pad 184.4 us); spatial-only bf16 pad 92%, fp32 91%, int8 78%, a rank-4
+bf16 8x128x512x512 image pad 97%. Tile variants (1 or 2 warps, 4 or 16 chunks a thread) measured
+within 4% of the default (best 67.3 us), so the default stays. Design:
+  * Rows are RB consecutive indices of outer dim 1 at grid indices 1 (outer dim 2) and 2 (dims
+    3..): no per-row division; the per-row values are int32 (int64 only when the host sees
+    offsets past 2^31). Rows of outer dims that are all padding (time-pad frames) take a branch
+    that only stores the fill.
+  * The chunk tile is [rows, 4-byte words] contiguous along the words, so lanes run along a row
+    (one 16-byte store a lane, 512 contiguous bytes a warp). One warp per 1 KB row, so a thread
+    keeps 2 chunks of each of its 4 rows and shares the row's math between them.
+  * A pure data chunk is 4 LDG.32 + 4 LDG.32 (the next word, L1 hits) and 4 ``SHF.R.U64`` funnel
+    shifts from x's 4-byte grid onto out's 16-byte grid; a pure padding chunk loads nothing and
+    gets the fill through the loads' ``other`` (a fill shifted by whole elements is still the
+    fill). The <= 4 pieces of <= 16 bytes a row (its ends, the chunks holding both data and
+    padding) go element by element, one [RB, 16 / ES] tile each.
+  SASS (triton 3.6, sm_90, issue shape): 64 registers, no spills, ~620 warp instructions for 4 data
+  rows (~155 a row) and ~190 for 4 padding rows: ~18 M warp instructions in all, ~4.6x fewer than
+  v1, ~17 us of issue against the 76 us that 80% of copy bandwidth allows.
+Other strides, or a misaligned out, take the element path for the whole row. Rows of <= 512 bytes
+run 4 warps with rows side by side across the lanes; there the element pieces are a large share
+of a row and cost more than their bytes.
 """
 from __future__ import annotations
 
@@ -46,139 +52,273 @@ import triton.language as tl
 
 MAX_DIMS = 8  # the innermost dim plus up to 7 outer dims
 _INT32_MAX = 2**31 - 1
+_GRID_YZ_MAX = 65535  # CUDA's limit on grid dims 1 and 2
+RB_MAX = 1024  # rows a program takes, at most
 
 
 @triton.jit
-def _outer_dim(rem, off_x, off_o, valid, size, lo, in_size, x_stride, o_stride):
-    idx = rem % size
+def _outer_dim(rem, off_x, off_o, ok, size, lo, in_size, x_stride, o_stride, LAST: tl.constexpr):
+    """Peels one outer dim off the index ``rem`` (all of it when LAST: no division) and adds its
+    offsets; ``ok`` (0/1: the interpreter mistypes scalar bools) says whether the index lies
+    inside the input so far."""
+    if LAST:
+        idx = rem
+    else:
+        idx = rem % size
+        rem = rem // size
     src = idx - lo
-    valid = valid & (src >= 0) & (src < in_size)
-    return rem // size, off_x + src.to(tl.int64) * x_stride, off_o + idx.to(tl.int64) * o_stride, valid
+    ok = ok * (src >= 0).to(tl.int32) * (src < in_size).to(tl.int32)
+    return rem, off_x + src.to(off_x.dtype) * x_stride, off_o + idx.to(off_o.dtype) * o_stride, ok
 
 
-@triton.jit(do_not_specialize=["fill", "fill_word"])
-def _pad_kernel(x_ptr, out_ptr, fill, fill_word, x_shift, n_rows,
+@triton.jit
+def _realign(lo, hi, shift):
+    """The 4 bytes starting ``shift`` bits into the little-endian pair (lo, hi): one funnel shift."""
+    return (((hi.to(tl.uint64) << 32) | lo.to(tl.uint64)) >> shift).to(tl.uint32)
+
+
+@triton.jit
+def _elements(x_ptr, out_ptr, off_x, off_o, valid, cols, in_row, lo_c, in_c, xs_c, os_c, fill,
+              DATA: tl.constexpr = True):
+    """Element by element: output columns ``cols`` ([RB, n]) of the tile's rows, where ``in_row``
+    (no loads when not DATA: the rows are all padding)."""
+    if DATA:
+        src_c = cols - lo_c
+        load_ok = in_row & valid[:, None] & (src_c >= 0) & (src_c < in_c)
+        vals = tl.load(x_ptr + off_x[:, None] + src_c * xs_c, mask=load_ok, other=fill.to(x_ptr.dtype.element_ty))
+    else:
+        vals = tl.zeros(cols.shape, dtype=x_ptr.dtype.element_ty) + fill.to(x_ptr.dtype.element_ty)
+    tl.store(out_ptr + off_o[:, None] + cols * os_c, vals, mask=in_row)
+
+
+@triton.jit
+def _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
+               out_c, lo_c, in_c,
+               RB: tl.constexpr, NCH: tl.constexpr, ES: tl.constexpr, DATA: tl.constexpr):
+    """The tile's rows with unit column strides on both sides and out 16-byte aligned.
+
+    Whole 16-byte output chunks are stored with 16-byte stores: pure data ones realigned from the
+    source, pure padding ones filled; the chunks holding both, and the partial chunks at the
+    row's ends, go element by element. Byte offsets: rows from out, columns from the row.
+    DATA=False: every row is padding (a frame of time padding), so nothing is loaded.
+    """
+    idx_t = off_o.dtype
+    row_len = out_c * ES
+    row_b = off_o * ES
+    head = (16 - (row_b & 15)) & 15  # bytes before the row's first whole chunk
+    n_ch = tl.where(row_ok, tl.maximum(row_len - head, 0) >> 4, 0)
+    # (as [RB] vectors: the interpreter mistypes a bool made from two scalars)
+    lo_i = tl.zeros([RB], dtype=idx_t) + tl.maximum(lo_c, 0)
+    hi_i = tl.zeros([RB], dtype=idx_t) + tl.minimum(lo_c + in_c, out_c)
+    has_data = valid & (hi_i > lo_i)
+    d_lo = tl.where(has_data, lo_i * ES, 0)  # the row's data bytes [d_lo, d_hi)
+    d_hi = tl.where(has_data, hi_i * ES, 0)
+    # Chunk j (bytes [16 j, 16 j + 16) from head) is pure data for ceil(rel_lo / 16) <= j <
+    # floor(rel_hi / 16), holds both data and padding for j = m_lo or m_hi (-1: none), and is pure
+    # padding otherwise.
+    rel_lo = d_lo - head
+    rel_hi = d_hi - head
+    m_lo = rel_lo >> 4
+    m_lo = tl.where(has_data & ((rel_lo & 15) != 0) & (m_lo >= 0) & (m_lo < n_ch), m_lo, -1)
+    m_hi = rel_hi >> 4
+    m_hi = tl.where(has_data & ((rel_hi & 15) != 0) & (m_hi >= 0) & (m_hi < n_ch), m_hi, -1)
+    # The tile is [rows, 4-byte words of whole chunks]: contiguous along the words, so Triton lays
+    # lanes along the row (4 words, one 16-byte store, a thread) whatever the row count.
+    w = cb * (4 * NCH) + tl.arange(0, 4 * NCH).to(idx_t)
+    j = (w // 4)[None, :]  # the word's chunk
+    store_ok = (j < n_ch[:, None]) & (j != m_lo[:, None]) & (j != m_hi[:, None])
+    if ES == 8:  # the fill's bits over 4-byte words: even and odd words differ for 8-byte elements
+        f = tl.where(w[None, :] % 2 == 0, fill_lo.to(tl.uint32), fill_hi.to(tl.uint32))
+    else:
+        f = fill_lo.to(tl.uint32)
+    dst = (((row_b + head) >> 4) * 4)[:, None] + w[None, :]
+    if DATA:
+        ld = (j >= ((rel_lo + 15) >> 4)[:, None]) & (j < (rel_hi >> 4)[:, None])
+        # source bytes of the first chunk, from x's 4-byte-aligned word 0: word s0 / 4, bit shift sh
+        s0 = (off_x - lo_c) * ES + x_shift + head
+        sh = ((s0 & 3) * 8).to(tl.uint64)[:, None]
+        src = (s0 >> 2)[:, None] + w[None, :]
+        x_words = (x_ptr - x_shift // ES).to(tl.pointer_type(tl.uint32))
+        # Padding chunks load nothing and get the fill as `other`: shifting a fill by whole
+        # elements (sh is a multiple of the element's bits) leaves it a fill, so no select.
+        lo = tl.load(x_words + src, mask=ld, other=f)
+        hi = tl.load(x_words + src + 1, mask=ld & (sh != 0), other=f)
+        word = _realign(lo, hi, sh)
+    else:
+        word = tl.zeros([RB, 4 * NCH], dtype=tl.uint32) + f
+    tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + dst, word, mask=store_ok)
+
+    # the rest, in 4 segments of at most 16 bytes each: the head, the chunks m_lo and m_hi, the tail
+    S: tl.constexpr = 16 // ES
+    k = tl.arange(0, S)[None, :].to(idx_t)
+    first_only = row_ok & (off_o * 0 + cb == 0)
+    tail = tl.minimum(head + 16 * n_ch, row_len)
+    for seg in tl.static_range(4):
+        if seg == 0:
+            start = head * 0
+            size = tl.where(first_only, tl.minimum(head, row_len), 0)
+        elif seg == 1:
+            start = head + 16 * m_lo
+            size = tl.where(first_only & (m_lo >= 0), 16, 0)
+        elif seg == 2:
+            start = head + 16 * m_hi
+            size = tl.where(first_only & (m_hi >= 0), 16, 0)
+        else:
+            start = tail
+            size = tl.where(first_only, row_len - tail, 0)
+        _elements(x_ptr, out_ptr, off_x, off_o, valid, start[:, None] // ES + k, k < (size // ES)[:, None],
+                  lo_c, in_c, 1, 1, fill, DATA)  # unit column strides
+
+
+# Only n_cb (1: no division) and out's alignment (16-byte stores) are worth specialising on;
+# the other ints and x's alignment would each multiply the compiled variants (~2 s of ptxas
+# each) for no gain.
+_SIZES = ["o1", "l1", "i1", "xs1", "os1", "o2", "l2", "i2", "xs2", "os2", "o3", "l3", "i3", "xs3", "os3",
+          "o4", "l4", "i4", "xs4", "os4", "o5", "l5", "i5", "xs5", "os5", "o6", "l6", "i6", "xs6", "os6",
+          "o7", "l7", "i7", "xs7", "os7"]
+
+
+@triton.jit(do_not_specialize=["fill", "fill_lo", "fill_hi", "x_shift", "n_rows", "out_c", "lo_c", "in_c", "xs_c",
+                               "os_c"] + _SIZES, do_not_specialize_on_alignment=["x_ptr"])
+def _pad_kernel(x_ptr, out_ptr, fill, fill_lo, fill_hi, x_shift, n_cb, n_rows,
                 out_c, lo_c, in_c, xs_c, os_c,
                 o1, l1, i1, xs1, os1, o2, l2, i2, xs2, os2, o3, l3, i3, xs3, os3,
                 o4, l4, i4, xs4, os4, o5, l5, i5, xs5, os5, o6, l6, i6, xs6, os6,
                 o7, l7, i7, xs7, os7,
-                N_OUTER: tl.constexpr, RB: tl.constexpr, WB: tl.constexpr, BLOCK_A: tl.constexpr,
-                WIDE: tl.constexpr, ES: tl.constexpr, IDX64: tl.constexpr):
+                N_OUTER: tl.constexpr, FLAT: tl.constexpr, RB: tl.constexpr, NCH: tl.constexpr,
+                BLOCK_A: tl.constexpr, WIDE: tl.constexpr, ES: tl.constexpr, IDX64: tl.constexpr,
+                ROW64: tl.constexpr):
+    # int32 offsets and row indices unless the host saw values that need 64 bits (sm_90 has no
+    # 64-bit divide: ptxas calls a routine that spills; the row index is what gets divided)
     idx_t = tl.int64 if IDX64 else tl.int32
-    pid = tl.program_id(0).to(idx_t)
-    rows = pid * RB + tl.arange(0, RB).to(idx_t)
-    row_ok = rows < n_rows
-    valid = row_ok
-    rem = rows
-    off_x = tl.zeros([RB], dtype=tl.int64)  # element offsets of output column 0's row
-    off_o = tl.zeros([RB], dtype=tl.int64)
-    # Outer dims, innermost first; unused ones are compiled out.
-    if N_OUTER >= 1:
-        rem, off_x, off_o, valid = _outer_dim(rem, off_x, off_o, valid, o1, l1, i1, xs1, os1)
-    if N_OUTER >= 2:
-        rem, off_x, off_o, valid = _outer_dim(rem, off_x, off_o, valid, o2, l2, i2, xs2, os2)
+    row_t = tl.int64 if ROW64 else tl.int32
+    t = tl.program_id(0).to(row_t)
+    cb = t % n_cb  # column block (n_cb is 1, so no division, unless rows are long)
+    t = t // n_cb
+    if FLAT:
+        # RB consecutive rows over all outer dims, each row's multi-index split on its own
+        rem = t * RB + tl.arange(0, RB).to(row_t)
+        row_ok = rem < n_rows
+        ok = row_ok.to(tl.int32)
+        off_x = tl.zeros([RB], dtype=idx_t)
+        off_o = off_x
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o1, l1, i1, xs1, os1, N_OUTER == 1)
+        if N_OUTER >= 2:
+            rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o2, l2, i2, xs2, os2, N_OUTER == 2)
+    else:
+        # RB consecutive indices of outer dim 1 (no division per row) at grid index 1 of dim 2 and
+        # grid index 2 over dims 3..7: scalars, split once per program
+        off_x = tl.program_id(1).to(idx_t) * 0
+        off_o = off_x
+        ok = 1
+        if N_OUTER >= 2:
+            rem, off_x, off_o, ok = _outer_dim(tl.program_id(1).to(row_t), off_x, off_o, ok,
+                                               o2, l2, i2, xs2, os2, True)
+        rem = tl.program_id(2).to(row_t)
     if N_OUTER >= 3:
-        rem, off_x, off_o, valid = _outer_dim(rem, off_x, off_o, valid, o3, l3, i3, xs3, os3)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o3, l3, i3, xs3, os3, N_OUTER == 3)
     if N_OUTER >= 4:
-        rem, off_x, off_o, valid = _outer_dim(rem, off_x, off_o, valid, o4, l4, i4, xs4, os4)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o4, l4, i4, xs4, os4, N_OUTER == 4)
     if N_OUTER >= 5:
-        rem, off_x, off_o, valid = _outer_dim(rem, off_x, off_o, valid, o5, l5, i5, xs5, os5)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o5, l5, i5, xs5, os5, N_OUTER == 5)
     if N_OUTER >= 6:
-        rem, off_x, off_o, valid = _outer_dim(rem, off_x, off_o, valid, o6, l6, i6, xs6, os6)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o6, l6, i6, xs6, os6, N_OUTER == 6)
     if N_OUTER >= 7:
-        rem, off_x, off_o, valid = _outer_dim(rem, off_x, off_o, valid, o7, l7, i7, xs7, os7)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o7, l7, i7, xs7, os7, True)
+    if not FLAT:
+        ok_outer = ok  # a scalar: dims 2.. put the whole program inside the input, or not
+        r1 = t * RB + tl.arange(0, RB).to(row_t)
+        row_ok = r1 < o1
+        ok = ok * (r1 - l1 >= 0).to(tl.int32) * (r1 - l1 < i1).to(tl.int32)
+        off_x = off_x + (r1 - l1).to(idx_t) * xs1
+        off_o = off_o + r1.to(idx_t) * os1
+    # off_x, off_o: element offsets of the rows' output column 0; valid: the row holds input data
+    valid = row_ok & (ok != 0)
 
-    # Columns [c_a, c_b) of each row go through the 16-byte middle; the rest element by element.
-    c_a = tl.zeros([RB], dtype=tl.int64) + out_c
-    c_b = c_a
     if WIDE:
-        # A row holding input data copies its interior [lo_i, hi_i); any other row is all padding.
-        # (as [RB] vectors: the interpreter mistypes a bool made from two scalars)
-        lo_i = tl.zeros([RB], dtype=tl.int64) + tl.maximum(lo_c, 0)
-        hi_i = tl.zeros([RB], dtype=tl.int64) + tl.minimum(lo_c + in_c, out_c)
-        has_data = valid & (hi_i > lo_i)
-        lo_i = tl.where(has_data, lo_i, 0)
-        hi_i = tl.where(has_data, hi_i, out_c)
-        # byte offsets from out (16-byte aligned, the host checks) and from x's 8-byte-aligned word
-        row_b = off_o * ES
-        first_b = (row_b + lo_i * ES + 15) // 16 * 16
-        end_b = (row_b + hi_i * ES) // 16 * 16
-        n_chunks = tl.where(row_ok, tl.maximum(end_b - first_b, 0) // 16, 0)
-        c_a = tl.where(n_chunks > 0, (first_b - row_b) // ES, out_c)
-        c_b = tl.where(n_chunks > 0, (end_b - row_b) // ES, out_c)
-        src_b = (off_x + c_a - lo_c) * ES + x_shift  # source byte of column c_a (data rows)
-        sh = (src_b & 7) * 8                         # bit shift between source and output words
-        src_w = (src_b - (src_b & 7)) // 8
-        o_words = out_ptr.to(tl.pointer_type(tl.uint64))
-        x_words = (x_ptr - x_shift // ES).to(tl.pointer_type(tl.uint64))
-        fill_w = fill_word.to(tl.uint64)
-        n_words = 2 * n_chunks
-        for it in range(0, tl.cdiv(tl.max(n_words, 0), WB)):
-            j = it * WB + tl.arange(0, WB).to(tl.int64)  # it * WB: a known multiple of WB
-            in_row = j[None, :] < n_words[:, None]
-            load_ok = in_row & has_data[:, None]
-            src = src_w[:, None] + j[None, :]
-            lo_w = tl.load(x_words + src, mask=load_ok, other=0)
-            hi_w = tl.load(x_words + src + 1, mask=load_ok & (sh[:, None] != 0), other=0)
-            s = sh[:, None].to(tl.uint64)
-            shifted = (lo_w >> s) | (hi_w << ((64 - s) & 63))
-            word = tl.where(s == 0, lo_w, shifted)
-            word = tl.where(has_data[:, None], word, fill_w)
-            # (first_b // 16) * 2 tells the compiler the row's first word is 16-byte aligned
-            tl.store(o_words + ((first_b // 16) * 2)[:, None] + j[None, :], word, mask=in_row)
-
-    n_a = c_a + (out_c - c_b)
-    for k0 in range(0, tl.max(tl.where(row_ok, n_a, 0), 0), BLOCK_A):
-        k = k0 + tl.arange(0, BLOCK_A).to(tl.int64)
-        cols = tl.where(k[None, :] < c_a[:, None], k[None, :], c_b[:, None] + k[None, :] - c_a[:, None])
-        in_row = row_ok[:, None] & (k[None, :] < n_a[:, None])
-        src_c = cols - lo_c
-        load_ok = in_row & valid[:, None] & (src_c >= 0) & (src_c < in_c)
-        vals = tl.load(x_ptr + off_x[:, None] + src_c * xs_c, mask=load_ok, other=0)
-        vals = tl.where(load_ok, vals, fill.to(vals.dtype))
-        tl.store(out_ptr + off_o[:, None] + cols * os_c, vals, mask=in_row)
+        if FLAT:
+            _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
+                       out_c, lo_c, in_c, RB, NCH, ES, True)
+        elif ok_outer != 0:
+            _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
+                       out_c, lo_c, in_c, RB, NCH, ES, True)
+        else:  # the program's rows are all padding in an outer dim: a fill, nothing to load
+            _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
+                       out_c, lo_c, in_c, RB, NCH, ES, False)
+    else:
+        cols = cb * BLOCK_A + tl.arange(0, BLOCK_A).to(idx_t)[None, :]
+        in_row = row_ok[:, None] & (cols < out_c)
+        _elements(x_ptr, out_ptr, off_x, off_o, valid, cols, in_row, lo_c, in_c, xs_c, os_c, fill)
 
 
-def _fill_word(fill_bits: int, element_size: int) -> int:
-    """The element's fill bits repeated across a 64-bit word, as a signed int64."""
+def _fill_words(fill_bits: int, element_size: int) -> tuple[int, int]:
+    """The element's fill bits repeated across 8 bytes, as the (low, high) 4-byte words, signed int32."""
     unit = fill_bits & ((1 << (8 * element_size)) - 1)
     word = 0
     for k in range(8 // element_size):
         word |= unit << (8 * element_size * k)
-    return word - (1 << 64) if word >= 1 << 63 else word
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in (word & 0xFFFFFFFF, word >> 32))
 
 
-def pad(x: torch.Tensor, out: torch.Tensor, fill_bits: int,
-        dims: list[tuple[int, int, int, int, int]]) -> None:
+def _offset_bound(dims, stride_at: int, element_size: int) -> int:
+    """A bound on the byte offsets the kernel forms from one tensor's strides, padding rows
+    (whose source indices run below 0 or past the input) included."""
+    return element_size * sum(max(abs(lo), o, n) * abs(d[stride_at]) for d in dims for o, lo, n in [d[:3]])
+
+
+def pad(x: torch.Tensor, out: torch.Tensor, fill_bits: int, dims: list[tuple[int, int, int, int, int]],
+        *, num_warps: int | None = None, chunks_per_thread: int = 8) -> None:
     """Launch on integer views ``x`` and ``out``.
 
     ``dims`` lists (out_size, lo, in_size, x_stride, out_stride) per dim, outermost first, at most
-    MAX_DIMS of them (the caller merges dims); the output must be non-empty.
+    MAX_DIMS of them (the caller merges dims); the output must be non-empty. ``num_warps`` and
+    ``chunks_per_thread`` (16-byte chunks a thread stores) override the tile for experiments.
     """
     assert 1 <= len(dims) <= MAX_DIMS
     out_c, lo_c, in_c, xs_c, os_c = dims[-1]
-    outer = list(reversed(dims[:-1]))  # innermost first
+    outer = list(reversed(dims[:-1])) or [(1, 0, 1, 0, 0)]  # innermost first; dim 1 always exists
     n_rows = 1
     for d in outer:
         n_rows *= d[0]
     es = x.element_size()
-    # the 16-byte middle needs unit column strides and a 16-byte-aligned out (x may be anywhere)
+    # the 16-byte chunks need unit column strides and a 16-byte-aligned out (x may be anywhere)
     wide = xs_c == 1 and os_c == 1 and es <= 8 and out.data_ptr() % 16 == 0
-    idx64 = max([n_rows, out_c, abs(lo_c), in_c] + [abs(v) for d in outer for v in d[:3]]) > _INT32_MAX
+    all_dims = outer + [dims[-1]]
+    big = max(_offset_bound(all_dims, 3, es), _offset_bound(all_dims, 4, es), n_rows, (out_c + abs(lo_c) + in_c) * es)
+    idx64 = big + 64 > _INT32_MAX
+    row64 = max([n_rows] + [abs(v) for d in outer for v in d[:3]]) + RB_MAX > _INT32_MAX
     if wide:
-        row_words = triton.next_power_of_2(max(2, (out_c * es) // 8))
-        wb = min(256, row_words)
+        chunks = max(1, out_c * es // 16)
+        nch = min(128, max(4, triton.next_power_of_2(chunks)))
+        n_cb = triton.cdiv(chunks, nch)
         block_a = 16
+        tile = nch * 4  # words of a row
+        # Warps side by side along a row only as far as a thread keeps 2 chunks of each of its
+        # rows (the per-row index math is then shared by them): one warp for 1 KB rows, two for
+        # 2 KB; rows of 512 B or less put rows side by side across the lanes anyway.
+        num_warps = num_warps or (4 if nch <= 32 else nch // 64)
+        words = num_warps * 32 * 4 * chunks_per_thread
     else:
-        wb = 16
-        block_a = min(256, triton.next_power_of_2(out_c))
-    # 1024 words (8 KB) a tile: 80 registers on sm_90, 6 programs an SM, ~48 KB of loads in flight
-    rb = max(1, min(triton.next_power_of_2(n_rows), 1024 // max(wb, block_a)))
-    grid = (triton.cdiv(n_rows, rb),)
-    flat = []
+        nch = 1
+        block_a = min(512, max(16, triton.next_power_of_2(out_c)))
+        n_cb = triton.cdiv(out_c, block_a)
+        tile = block_a
+        num_warps = num_warps or 4
+        words = 2048
+    # (few distinct tiles: each is a compiled variant)
+    rb = 1 if n_rows == 1 else max(1, min(words // tile, RB_MAX))
+    # The rows of a program: RB consecutive indices of outer dim 1 at grid indices 1 (outer dim 2)
+    # and 2 (dims 3..): no per-row division; or, when dim 1 is shorter than RB or the grid would be
+    # too tall, RB consecutive rows over all outer dims (FLAT).
+    o1 = outer[0][0]
+    o2 = outer[1][0] if len(outer) > 1 else 1
+    rest = n_rows // (o1 * o2)
+    flat = o1 < rb or o2 > _GRID_YZ_MAX or rest > _GRID_YZ_MAX
+    grid = (n_cb * triton.cdiv(n_rows, rb), 1, 1) if flat else (n_cb * triton.cdiv(o1, rb), o2, rest)
+    args = []
     for k in range(MAX_DIMS - 1):
-        flat.extend(outer[k] if k < len(outer) else (1, 0, 1, 0, 0))
-    _pad_kernel[grid](x, out, fill_bits, _fill_word(fill_bits, es) if wide else 0,
-                      x.data_ptr() % 8, n_rows, out_c, lo_c, in_c, xs_c, os_c, *flat,
-                      N_OUTER=len(outer), RB=rb, WB=wb, BLOCK_A=block_a, WIDE=wide, ES=es, IDX64=idx64,
-                      num_warps=4)
+        args.extend(outer[k] if k < len(outer) else (1, 0, 1, 0, 0))
+    _pad_kernel[grid](x, out, fill_bits, *(_fill_words(fill_bits, es) if wide else (0, 0)),
+                      x.data_ptr() % 4, n_cb, n_rows, out_c, lo_c, in_c, xs_c, os_c, *args,
+                      N_OUTER=len(outer), FLAT=flat, RB=rb, NCH=nch, BLOCK_A=block_a, WIDE=wide, ES=es,
+                      IDX64=idx64, ROW64=row64, num_warps=num_warps)

@@ -192,6 +192,53 @@ def test_path_choice_interpreter(interpreter, monkeypatch):
     assert [m["N_OUTER"] for m in launches] == [3, 4]
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.complex64])
+def test_grid_rows_and_padding_frames_interpreter(interpreter, monkeypatch, dtype):
+    # rows long enough that a program takes RB indices of outer dim 1 (grid dims 1, 2 for the
+    # outer dims above it), and frames of time padding that take the fill-only branch
+    launches = _launches(monkeypatch)
+    base = make((1, 2, 12, 541), dtype)
+    cases = [(base, (1, 1, 1, 1, 2, 0), 0.0),  # odd offsets below: every source alignment
+             (base[..., 1:], (3, -2, 0, 2, 1, 1), 1.0), (base[:, :, 1:, 2:], (-7, 9, -1, 0, 0, 2), -2.5)]
+    for x, pad, value in cases:
+        assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+    assert not any(m["FLAT"] for m in launches) and all(m["WIDE"] for m in launches)
+
+
+def test_grid_too_tall_falls_back_to_flat_rows_interpreter(interpreter, monkeypatch):
+    k = _dispatch.kernels("pad")
+    monkeypatch.setattr(k, "_GRID_YZ_MAX", 2)  # CUDA's 65535, made small
+    launches = _launches(monkeypatch)
+    x = make((2, 3, 5, 541), torch.bfloat16)
+    assert_bitwise(ember.ops.pad(x, (1, 1, 1, 1, 2, 0)), F.pad(x, (1, 1, 1, 1, 2, 0)))
+    assert [m["FLAT"] for m in launches] == [True]
+
+
+@st.composite
+def long_row_cases(draw):
+    """Rows of hundreds of bytes: the 16-byte chunks, the grid rows and the fill-only branch."""
+    rank = draw(st.integers(2, 4))
+    shape = draw(st.lists(st.integers(1, 3), min_size=rank - 2, max_size=rank - 2))
+    shape += [draw(st.integers(1, 12)), draw(st.integers(40, 600))]
+    pad = []
+    for k in range(draw(st.integers(1, rank))):
+        n, most = shape[rank - 1 - k], 20 if k == 0 else 2  # wide row pads, few extra rows
+        lo = draw(st.integers(-min(n, most), most))
+        pad += [lo, draw(st.integers(max(-n, -(n + lo)), most))]
+    dtype = draw(st.sampled_from([torch.uint8, torch.bfloat16, torch.float32, torch.float64]))
+    value = draw(st.sampled_from([0.0, 1.0, 3.0]))
+    offset = draw(st.integers(0, 3))  # start x this many elements into its storage
+    return shape, tuple(pad), dtype, value, offset
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=long_row_cases())
+def test_long_rows_bitwise_equals_fpad_interpreter(interpreter, case):
+    shape, pad, dtype, value, offset = case
+    x = make(shape[:-1] + [shape[-1] + offset], dtype)[..., offset:]
+    assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+
+
 def test_empty_and_zero_sized():
     x = torch.randn(0, 3)
     assert_bitwise(ember.ops.pad(x, (1, 1, 2, 0), 5.0), F.pad(x, (1, 1, 2, 0), value=5.0))
@@ -248,8 +295,8 @@ def test_gpu_rank5_bf16_large_plane_exact(cuda):
     assert_bitwise(ember.ops.pad(xt, (1, 1, 1, 1, 0, 0, 0, 0), 3.0), F.pad(xt, (1, 1, 1, 1, 0, 0, 0, 0), value=3.0))
 
 
-@pytest.mark.gpu
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.gpu  # (examples bounded by compile time: ~1.5 s for each new kernel variant they reach)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases(max_rank=6, max_side=9))
 def test_gpu_bitwise_equals_fpad(cuda, case):
     shape, pad, dtype, value, layout = case
@@ -267,3 +314,27 @@ def test_gpu_every_dtype_out(cuda, dtype):
         out.fill_(float("nan")) if dtype.itemsize > 1 else out.view(torch.uint8).fill_(0x7F)
     ember.ops.pad(x, (1, 2, -1, 3, 2, 0), 1.0, out=out)
     assert_bitwise(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.float64])
+def test_gpu_video_shapes_every_width(cuda, dtype):
+    # causal-conv pads on video-like shapes: the grid rows, the fill-only time frames, x at every
+    # alignment and a wide, strided out
+    x = make((1, 8, 4, 64, 258), dtype).to(cuda)
+    for xv in [x, x[..., 1:], x[..., 3:-2], x[:, :, :, 1:, :]]:
+        for pad, value in [((1, 1, 1, 1, 2, 0), 0.0), ((1, 1, 1, 1, 0, 0, 0, 0), 1.0), ((-3, 5, 2, -1, 1, 1), 3.0)]:
+            assert_bitwise(ember.ops.pad(xv, pad, value), F.pad(xv, pad, value=value))
+    out = torch.empty(1, 8, 6, 66, 300, dtype=dtype, device=cuda)[..., 8:268]
+    ember.ops.pad(x, (1, 1, 1, 1, 2, 0), 1.0, out=out)
+    assert_bitwise(out, F.pad(x, (1, 1, 1, 1, 2, 0), value=1.0))
+
+
+@pytest.mark.gpu
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=long_row_cases())
+def test_gpu_long_rows_bitwise_equals_fpad(cuda, case):
+    shape, pad, dtype, value, offset = case
+    x = make(shape[:-1] + [shape[-1] + offset], dtype)[..., offset:].to(cuda)
+    assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+

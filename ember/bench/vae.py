@@ -4,8 +4,8 @@ Floors (H200, bf16 dense 790 TFLOP/s; conv FLOPs counted with hooks on diffusers
   * Wan2.2 VAE, 121 x 704 x 1280 (31 latent frames, 44 x 80): 2,010 TFLOP untiled -> 2.54 s; tiles
     add their overlap (2 x 2 tiles with 4 latent px of overlap: +10%).
   * Wan2.1 VAE, 81 x 480 x 832 (21 latent frames, 60 x 104): 274 TFLOP -> 0.35 s.
-  * pad 1x96x4x256x512 bf16 -> 1x96x6x258x514 (causal-conv pattern): 50 MB read + 76 MB written
-    = 126 MB -> 30 us at 4.15 TB/s.
+  * pad 1x96x4x256x512 bf16 -> 1x96x6x258x514 (causal-conv pattern): 100.7 MB read + 152.8 MB
+    written = 253 MB -> 61 us at 4.15 TB/s.
 Decodes are timed once each, wall clock around a synchronised call, after a short warm-up decode
 (kernels loaded, Triton compiled); peak_GB is the CUDA allocator's peak above what was allocated
 before the call (the weights and the latents), as in shared/reference/vae_baseline.py.

@@ -11,6 +11,7 @@ is one tile's conv histories and activations plus the output.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -153,6 +154,18 @@ def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int):
     return (th * c, tw * c), (min(ov, th // 2) * c if th < h_lat else 0, min(ov, tw // 2) * c if tw < w_lat else 0)
 
 
+def _frames_per_chunk() -> int | None:
+    """Frames the full-resolution tail of the decoder takes at once: ``EMBER_VAE_FRAME_CHUNK``
+    (default 0 = all of a latent frame's 4 at once). A memory-for-time knob, H200 bf16
+    (bench/results/h200/vae_frame_chunk.json): Wan2.1 81x480x832 1.58 -> 1.16 GB at 1 frame but
+    1.67 -> 2.06 s; Wan2.2 121x704x1280 2.90 -> 2.22 GB, 5.83 -> 7.91 s (each 1-frame conv reads
+    2 frames of history for 1 new one, and launches quadruple)."""
+    v = os.environ.get("EMBER_VAE_FRAME_CHUNK", "0")
+    if not v.isdigit():
+        raise ValueError(f"EMBER_VAE_FRAME_CHUNK: expected a non-negative integer, got {v!r}")
+    return int(v) or None
+
+
 # ----------------------------------------------------------------------------- tiling
 class _Axis:
     """Tile origins and sizes along one axis, in latent and decoder-output pixels (diffusers' rules)."""
@@ -220,7 +233,7 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, progress: boo
     # diffusers 0.42.1 clamps to [-1, 1] everywhere except in AutoencoderKLQwenImage.tiled_decode;
     # we follow it so that equal settings give equal results.
     clamp = not (tiled and type(vae).__name__ == "AutoencoderKLQwenImage")
-    stream = StreamDecoder(vae.decoder)
+    stream = StreamDecoder(vae.decoder, frames_per_chunk=_frames_per_chunk())
     pq = vae.post_quant_conv
     bottom: dict[int, torch.Tensor] = {}  # column -> bottom strip of the tile above (all frames)
     bar = progress_bar(len(rows.starts) * len(cols.starts) * T, progress, "VAE decode", "tile-frames")

@@ -148,3 +148,31 @@ def test_gpu_fp32_matches_cpu_fp32(cuda):
     cpu = ember.vae.decode(vae, z, tile=160, overlap=32, progress=False)
     gpu = ember.vae.decode(vae.to(cuda), z.to(cuda), tile=160, overlap=32, progress=False)
     assert psnr(gpu.cpu(), cpu) >= 70
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_frame_chunked_tail_equals_whole_chunks(name):
+    """The up blocks after the last temporal upsampler, run a frame at a time (the default) and on
+    all of a step's frames at once, give the same frames (fp32, CPU)."""
+    from ember.vae._stream import StreamDecoder
+    vae = make_vae(name)
+    z = torch.randn(1, vae.config.z_dim, 3, 8, 8)
+    z = torch.nn.functional.conv3d(z, vae.post_quant_conv.weight, vae.post_quant_conv.bias)
+    out = {}
+    for c in (1, 2, None):
+        s = StreamDecoder(vae.decoder, frames_per_chunk=c)
+        s.reset()
+        out[c] = torch.cat([s.step(z[:, :, k:k + 1], first=(k == 0)) for k in range(3)], dim=2)
+    assert out[None].shape[2] == 9  # 1 + 4 + 4 frames: the later steps really were split
+    torch.testing.assert_close(out[1], out[None], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[2], out[None], rtol=1e-5, atol=1e-5)
+
+
+def test_frame_chunk_switch(monkeypatch):
+    from ember.vae import _decode
+    assert _decode._frames_per_chunk() is None  # default: all of a step's frames at once
+    monkeypatch.setenv("EMBER_VAE_FRAME_CHUNK", "1")
+    assert _decode._frames_per_chunk() == 1
+    monkeypatch.setenv("EMBER_VAE_FRAME_CHUNK", "one")
+    with pytest.raises(ValueError, match="EMBER_VAE_FRAME_CHUNK"):
+        _decode._frames_per_chunk()

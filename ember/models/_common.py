@@ -126,8 +126,15 @@ class Attention(nn.Module):
             q = attn_ops.qkv_proj_norm_rope_cache(h, self.qkv.weight, self.q_norm, self.k_norm, cos, sin, positions,
                                                   cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps)
         else:
-            q = attn_ops.qk_norm_rope_cache(self.qkv(h), self.q_norm, self.k_norm, cos, sin, positions,
-                                            cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps)
+            return self._decode_from_qkv(self.qkv(h), positions, seq_lens, cos, sin, cache)
+        out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
+        return self.o(out)
+
+    def _decode_from_qkv(self, qkv: torch.Tensor, positions, seq_lens, cos, sin, cache) -> torch.Tensor:
+        """q/k norm + RoPE + cache write, decode attention, output projection."""
+        c = self.cfg
+        q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
+                                        num_heads=c.num_heads, eps=c.rms_norm_eps)
         out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out)
 
@@ -145,12 +152,8 @@ class Attention(nn.Module):
         if (m.shape[0] != 1 or type(self.qkv) is not Linear or self.qkv.bias is not None
                 or os.environ.get("EMBER_NORM_QKV_FUSED", "0") != "1" or os.environ.get("EMBER_FUSED_QKV", "0") == "1"):
             return None
-        c = self.cfg
         qkv, new_residual = ember.ops.add_rmsnorm_linear(m, residual, norm_weight, self.qkv.weight, eps=eps)
-        q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
-                                        num_heads=c.num_heads, eps=c.rms_norm_eps)
-        out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)
-        return self.o(out), new_residual
+        return self._decode_from_qkv(qkv, positions, seq_lens, cos, sin, cache), new_residual
 
 
 class DenseMLP(nn.Module):

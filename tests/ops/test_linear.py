@@ -160,6 +160,26 @@ def test_torch_compile_fullgraph_cpu(monkeypatch, force):
     torch.testing.assert_close(compiled(x), ember.ops.linear(x, w, b) * 2, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("force", [True, False])
+def test_add_rmsnorm_linear_compile_fullgraph_cpu(monkeypatch, force):
+    """The registered op and its fake under torch.compile: the folded GEMV (forced Triton) or the two ops."""
+    if force:
+        if not _dispatch.triton_available() or torch.cuda.is_available():
+            pytest.skip("the forced-Triton compile test runs on CPU-only machines with triton")
+        monkeypatch.setenv("EMBER_FORCE_TRITON", "1")
+    x, w, b = operands(40, 200, torch.float32)
+    res, lnw = torch.randn(1, 200), 1 + 0.1 * torch.randn(200)
+
+    def f(x):
+        y, new_res = ember.ops.add_rmsnorm_linear(x, res, lnw, w, b)
+        return y * 2, new_res
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    for a, e in zip(got, f(x)):
+        torch.testing.assert_close(a, e, atol=0, rtol=0)
+
+
 # ------------------------------------------------------------------ bad input
 def _bad(**kw):
     x, w, b = operands(8, 16, torch.bfloat16)

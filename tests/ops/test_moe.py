@@ -244,6 +244,25 @@ def test_torch_compile_fullgraph_cpu():
     torch.testing.assert_close(compiled(x, logits), f(x, logits))
 
 
+@pytest.mark.parametrize("force", [True, False])
+def test_add_rmsnorm_route_compile_fullgraph_cpu(monkeypatch, force):
+    """The registered op and its fake under torch.compile: the kernel (forced Triton) or the reference."""
+    if force:
+        if not _dispatch.triton_available() or torch.cuda.is_available():
+            pytest.skip("the forced-Triton compile test runs on CPU-only machines with triton")
+        monkeypatch.setenv("EMBER_FORCE_TRITON", "1")
+    x, res, lnw, router = torch.randn(2, H), torch.randn(2, H), 1 + 0.1 * torch.randn(H), torch.randn(E, H) / 8
+
+    def f(x, res):
+        normed, new_res, w, ids = moe_ops.add_rmsnorm_route_hidden(x, res, lnw, router, K)
+        return normed * 2, new_res, w.sum(-1), ids
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, res)
+    for a, b in zip(got, f(x, res)):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------ bad input
 def _args(**over):
     a = dict(x=torch.randn(2, H), w_gate_up=torch.randn(E, 2 * I, H), w_down=torch.randn(E, H, I),

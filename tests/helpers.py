@@ -44,3 +44,16 @@ def check_compile_and_graph(f, x):
     g.replay()
     torch.testing.assert_close(out, f(x), atol=0, rtol=0)
     return out
+
+
+def force_triton_or_skip(monkeypatch, force: bool) -> None:
+    """With ``force``, run ember's Triton kernels through the interpreter for the rest of the test
+    (EMBER_FORCE_TRITON=1), or skip where that cannot run (a CUDA machine, no triton)."""
+    if not force:
+        return
+    import pytest
+
+    from ember import _dispatch
+    if not _dispatch.triton_available() or torch.cuda.is_available():
+        pytest.skip("the forced-Triton compile test runs on CPU-only machines with triton")
+    monkeypatch.setenv("EMBER_FORCE_TRITON", "1")

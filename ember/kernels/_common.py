@@ -122,3 +122,29 @@ def pdl_options(device: torch.device) -> dict:
     """Launch keywords of a kernel with a ``PDL`` constexpr: ``PDL`` and Triton's ``launch_pdl``."""
     pdl = use_pdl(device)
     return dict(PDL=pdl, launch_pdl=pdl)
+
+
+# ----------------------------------------------------------------------------- folded add_rmsnorm
+# The decoder's ``add_rmsnorm`` computed inside the kernel that consumes it (the MoE router, the qkv
+# GEMV): every program derives the row's norm itself, with the same code and layout, so all agree.
+@triton.jit
+def residual_sum(x_ptr, res_ptr, ks, K, stride_xk):
+    """x + residual at columns ks (x stepped by stride_xk, the residual contiguous), rounded to x's
+    dtype as ``add_rmsnorm`` stores it, as fp32."""
+    x = tl.load(x_ptr + ks * stride_xk, mask=ks < K, other=0.0)
+    r = tl.load(res_ptr + ks, mask=ks < K, other=0.0)
+    return round_to(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def residual_inv_rms(x_ptr, res_ptr, new_res_ptr, K, stride_xk, eps, store, BLOCK: tl.constexpr):
+    """1 / rms of x + residual over all K columns; the program with ``store`` also writes x + residual
+    (the new residual stream) to ``new_res_ptr``."""
+    ss = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        h = residual_sum(x_ptr, res_ptr, ks, K, stride_xk)
+        if store:
+            tl.store(new_res_ptr + ks, h.to(new_res_ptr.dtype.element_ty), mask=ks < K)
+        ss += h * h
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)

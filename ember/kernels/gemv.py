@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import pdl_options, pdl_start, round_to
+from ember.kernels._common import pdl_options, pdl_start, residual_inv_rms, residual_sum, round_to
 
 SCALE_BLOCK = 128  # fp8 block scales: 128x128 weight blocks, 1x128 activation blocks
 ROW_BYTES = 512  # K bytes one warp loads per row and step: 32 threads x 16-byte vectors
@@ -35,27 +35,6 @@ def _weight_tile(rows, ks, mask_rows, K, EVEN_N: tl.constexpr, EVEN_K: tl.conste
 
 
 @triton.jit
-def _residual_sum(a_ptr, res_ptr, ks, K, stride_ak):
-    """a + residual at columns ks, rounded to a's dtype (as add_rmsnorm stores it), as fp32."""
-    x = tl.load(a_ptr + ks * stride_ak, mask=ks < K, other=0.0)
-    r = tl.load(res_ptr + ks, mask=ks < K, other=0.0)
-    return round_to(x.to(tl.float32) + r.to(tl.float32), a_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _inv_rms(a_ptr, res_ptr, new_res_ptr, K, stride_ak, eps, STORE: tl.constexpr, BLOCK: tl.constexpr):
-    """1 / rms of a + residual over all K (every program computes it; the store is program 0's)."""
-    ss = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        ks = k0 + tl.arange(0, BLOCK)
-        h = _residual_sum(a_ptr, res_ptr, ks, K, stride_ak)
-        if STORE:
-            tl.store(new_res_ptr + ks, h.to(new_res_ptr.dtype.element_ty), mask=ks < K)
-        ss += h * h
-    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-
-
-@triton.jit
 def _accumulate(acc, w, a_ptr, ks, k0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
                 offs_c, offs_n, mask_n, res_ptr, lnw_ptr, inv_rms, shape: tl.constexpr, A_SCALED: tl.constexpr,
                 K_BLOCKED: tl.constexpr, SB_N_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
@@ -65,7 +44,7 @@ def _accumulate(acc, w, a_ptr, ks, k0, K, stride_ak, sa_ptr, sb_ptr, stride_sak,
     ADD_NORM: the activation is add_rmsnorm(a, residual, lnw) computed here from its inputs."""
     if ADD_NORM:
         kb = tl.broadcast_to(ks, shape)
-        h = _residual_sum(a_ptr, res_ptr, kb, K, stride_ak)
+        h = residual_sum(a_ptr, res_ptr, kb, K, stride_ak)
         lw = tl.load(lnw_ptr + kb, mask=kb < K, other=0.0).to(tl.float32)
         a = round_to(h * inv_rms * lw, a_ptr.dtype.element_ty)
     else:
@@ -134,10 +113,7 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
     pdl_start(PDL)
     inv_rms = 0.0
     if ADD_NORM:
-        if pid == 0:
-            inv_rms = _inv_rms(a_ptr, res_ptr, new_res_ptr, K, stride_ak, eps, True, CHUNKS * KW)
-        else:
-            inv_rms = _inv_rms(a_ptr, res_ptr, new_res_ptr, K, stride_ak, eps, False, CHUNKS * KW)
+        inv_rms = residual_inv_rms(a_ptr, res_ptr, new_res_ptr, K, stride_ak, eps, pid == 0, CHUNKS * KW)
     acc = _accumulate(acc, w, a_ptr, offs_k, 0, K, stride_ak, sa_ptr, sb_ptr, stride_sak, stride_sbk, stride_sbn,
                       offs_c, offs_n, mask_n, res_ptr, lnw_ptr, inv_rms, shape, A_SCALED, K_BLOCKED, SB_N_GROUP,
                       EVEN_K, STEP_REDUCE, ADD_NORM)

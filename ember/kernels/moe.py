@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, pdl_options, pdl_start, round_to
+from ember.kernels._common import arrival_counters, pdl_options, pdl_start, residual_inv_rms, residual_sum, round_to
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -137,24 +137,14 @@ def _sigmoid_topk_of_row(logits_ptr, row, E, bias_ptr, scaling, TOP_K: tl.conste
 
 
 @triton.jit
-def _residual_sum(x_ptr, res_ptr, t, stride_x, ks, H):
-    """x + residual for columns ks of token t, rounded to x's dtype (as add_rmsnorm stores it), fp32."""
-    x = tl.load(x_ptr + t * stride_x + ks, mask=ks < H, other=0.0)
-    r = tl.load(res_ptr + t * H + ks, mask=ks < H, other=0.0)
-    return round_to(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, new_res_ptr, t, j, stride_x, ks, H, inv_rms,
-                  ADD_NORM: tl.constexpr):
+def _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM: tl.constexpr):
     """The router's input for columns ks of token t (fp32): x itself, or add_rmsnorm's output, which
-    program j == 0 also stores (normalised row and new residual, rows of H)."""
+    program j == 0 also stores (rows of H)."""
     if ADD_NORM:
-        hv = _residual_sum(x_ptr, res_ptr, t, stride_x, ks, H)
+        hv = residual_sum(x_ptr + t * stride_x, res_ptr + t * H, ks, H, 1)
         lw = tl.load(lnw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
         normed = round_to(hv * inv_rms * lw, x_ptr.dtype.element_ty)
         if j == 0:
-            tl.store(new_res_ptr + t * H + ks, hv.to(x_ptr.dtype.element_ty), mask=ks < H)
             tl.store(normed_ptr + t * H + ks, normed, mask=ks < H)
         xv = normed.to(tl.float32)
     else:
@@ -191,21 +181,16 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < H)[None, :], other=0.0)
     pdl_start(PDL)
     inv_rms = 0.0
-    if ADD_NORM:
-        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_H):
-            kk = k0 + tl.arange(0, BLOCK_H)
-            hv = _residual_sum(x_ptr, res_ptr, t, stride_x, kk, H)
-            ss += hv * hv
-        inv_rms = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
-    xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, new_res_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM)
+    if ADD_NORM:  # program 0 of the token writes the new residual
+        inv_rms = residual_inv_rms(x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps, j == 0,
+                                   BLOCK_H)
+    xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM)
     acc = w.to(tl.float32) * xv[None, :]
     for k0 in range(BLOCK_H, H, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
         k_mask = ks < H
         w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, new_res_ptr, t, j, stride_x, ks, H, inv_rms,
-                           ADD_NORM)
+        xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM)
         acc += w.to(tl.float32) * xv[None, :]
     logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
@@ -287,7 +272,7 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, logits_ptr, ids_ptr, tw_ptr, h
                          TOP_K: tl.constexpr, FUSED_ROUTE: tl.constexpr, RENORM: tl.constexpr,
                          SCALE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False):
     """h[pair, n] = silu(gate[e] . x[t]) * (up[e] . x[t]) for one pair (t, j) and BLOCK_N of the I rows."""
     pdl_start(PDL)
     pair = tl.program_id(0)

@@ -163,6 +163,36 @@ def _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB: tl.constexpr):
     return M, Z, a, m
 
 
+@triton.jit
+def _barrier_wait(ctr_ptr, v, add, spin_cap):
+    """After arriving at a generation counter with ``add`` (``v`` the value before), poll it (acquire)
+    until the generation is complete, at most ``spin_cap`` times. Returns whether it gave up."""
+    target = (v // BARRIER_GEN + 1) * BARRIER_GEN
+    cur = v + add
+    polls = 0
+    while (cur < target) & (polls < spin_cap):
+        cur = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    return cur < target
+
+
+@triton.jit
+def _row_max_sum_exact(xrow, V, inv_t, BLOCK: tl.constexpr):
+    """Max and sum of exp(z - max) of a whole row of z = x * inv_t, read from memory in BLOCK
+    pieces with an online update: what a program computes itself when it gave up on a barrier."""
+    M = tl.full([], -float("inf"), tl.float32)
+    Z = tl.full([], 0.0, tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        w = tl.load(xrow + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_t
+        mw, sw = _chunk_max_sum(w)
+        M_new = tl.maximum(M, mw)
+        Z = tl.where(M > -float("inf"), Z * tl.exp(M - M_new), 0.0) + \
+            tl.where(mw > -float("inf"), sw * tl.exp(mw - M_new), 0.0)
+        M = M_new
+    return M, Z
+
+
 # ----------------------------------------------------------------------------- one row per program
 @triton.jit
 def _softmax_row_kernel(x_ptr, out_ptr, stride_x, stride_out, V, inv_t,
@@ -246,26 +276,11 @@ def _softmax_one_launch_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, n_pro
     first = (row == 0) & (c == 0)
     add = tl.where(first, BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
     v = tl.atomic_add(bar_ptr, add, sem="acq_rel", scope="gpu")
-    target = (v // BARRIER_GEN + 1) * BARRIER_GEN
-    cur = v + add
-    polls = 0
-    while (cur < target) & (polls < spin_cap):
-        cur = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-        polls += 1
+    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap)
     tl.debug_barrier()
     M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
-    if cur < target:
-        # gave up waiting: the whole row from HBM, online max / sum (slow, exact, counted)
-        M = tl.full([], -float("inf"), tl.float32)
-        Z = tl.full([], 0.0, tl.float32)
-        for start in range(0, V, CHUNK):
-            w = tl.load(xrow + start + tl.arange(0, CHUNK), mask=start + tl.arange(0, CHUNK) < V,
-                        other=-float("inf")).to(tl.float32) * inv_t
-            mw, sw = _chunk_max_sum(w)
-            M_new = tl.maximum(M, mw)
-            Z = tl.where(M > -float("inf"), Z * tl.exp(M - M_new), 0.0) + \
-                tl.where(mw > -float("inf"), sw * tl.exp(mw - M_new), 0.0)
-            M = M_new
+    if gave_up:  # the whole row from HBM (slow, exact, counted)
+        M, Z = _row_max_sum_exact(xrow, V, inv_t, CHUNK)
         tl.atomic_add(bar_ptr + 1, 1)
     tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
 
@@ -302,8 +317,9 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     publishes, waits for its slowest sibling (a release/acquire round trip through L2), then writes.
     The ~30 us above the floor is ~1.9 us per wave for 16 waves: the per-row barrier latency, which
     a one-row prefetch only partly hides. What would close the gap: more rows in flight per wave
-    (PER_SM 3 / 6 under an 80-register cap: 24 rows; ``wave_sweep`` measures 8192,8,3,1 and
-    4096,4,6,1 next), or a prefetch two rows deep (a ring in shared memory, not registers).
+    (PER_SM 3 / 6 under an 80-register cap, 24 rows: measured 96.8 us for 8192,8,3,1 and 110.8 us
+    for 4096,4,6,1, both spilling; 2048,4,8,1 116.0 us), or a prefetch two rows deep (a ring in
+    shared memory, not registers).
 
     Row barrier: ``row_bar_ptr[row]``, generation based like the grid barrier of
     ``_softmax_one_launch_kernel``: chunk 0 adds BARRIER_GEN - (P - 1), the others 1, so each launch
@@ -341,26 +357,11 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
         nxt_mask = cols < tl.where(nxt < B, V, 0)
         if PREFETCH:
             xr = tl.load(x_ptr + nxt * stride_x + cols, mask=nxt_mask, other=-float("inf"))
-        target = (v // BARRIER_GEN + 1) * BARRIER_GEN
-        cur = v + add
-        polls = 0
-        while (cur < target) & (polls < spin_cap):
-            cur = tl.atomic_add(row_bar_ptr + row, 0, sem="acquire", scope="gpu")
-            polls += 1
+        gave_up = _barrier_wait(row_bar_ptr + row, v, add, spin_cap)
         tl.debug_barrier()
         M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
-        if cur < target:
-            # gave up waiting: the whole row from HBM, online max / sum (slow, exact, counted)
-            M = tl.full([], -float("inf"), tl.float32)
-            Z = tl.full([], 0.0, tl.float32)
-            for start in range(0, V, FALLBACK_BLOCK):
-                fc = start + tl.arange(0, FALLBACK_BLOCK)
-                w = tl.load(x_ptr + row * stride_x + fc, mask=fc < V, other=-float("inf")).to(tl.float32) * inv_t
-                mw, sw = _chunk_max_sum(w)
-                M_new = tl.maximum(M, mw)
-                Z = tl.where(M > -float("inf"), Z * tl.exp(M - M_new), 0.0) + \
-                    tl.where(mw > -float("inf"), sw * tl.exp(mw - M_new), 0.0)
-                M = M_new
+        if gave_up:  # the whole row from HBM (slow, exact, counted)
+            M, Z = _row_max_sum_exact(x_ptr + row * stride_x, V, inv_t, FALLBACK_BLOCK)
             tl.atomic_add(bar_ptr + 1, 1)
         tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
         if not PREFETCH:

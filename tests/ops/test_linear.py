@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import ember
 from ember import _dispatch
-from tests.helpers import assert_close, check_compile_and_graph, poisoned
+from tests.helpers import assert_close, check_compile_and_graph, force_triton_or_skip, poisoned
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 linear_mod = __import__("ember.ops.linear", fromlist=["linear"])
@@ -150,10 +150,7 @@ def test_empty_products(interpreter):
 
 @pytest.mark.parametrize("force", [True, False])
 def test_torch_compile_fullgraph_cpu(monkeypatch, force):
-    if force:
-        if not _dispatch.triton_available() or torch.cuda.is_available():
-            pytest.skip("the forced-Triton compile test runs on CPU-only machines with triton")
-        monkeypatch.setenv("EMBER_FORCE_TRITON", "1")
+    force_triton_or_skip(monkeypatch, force)
     x, w, b = operands(40, 200, torch.float32)
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: ember.ops.linear(x, w, b) * 2, fullgraph=True, backend="aot_eager")
@@ -163,10 +160,7 @@ def test_torch_compile_fullgraph_cpu(monkeypatch, force):
 @pytest.mark.parametrize("force", [True, False])
 def test_add_rmsnorm_linear_compile_fullgraph_cpu(monkeypatch, force):
     """The registered op and its fake under torch.compile: the folded GEMV (forced Triton) or the two ops."""
-    if force:
-        if not _dispatch.triton_available() or torch.cuda.is_available():
-            pytest.skip("the forced-Triton compile test runs on CPU-only machines with triton")
-        monkeypatch.setenv("EMBER_FORCE_TRITON", "1")
+    force_triton_or_skip(monkeypatch, force)
     x, w, b = operands(40, 200, torch.float32)
     res, lnw = torch.randn(1, 200), 1 + 0.1 * torch.randn(200)
 

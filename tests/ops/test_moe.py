@@ -8,7 +8,7 @@ from ember import _dispatch
 
 # the module, not the public function ember.ops.moe of the same name
 moe_ops = importlib.import_module("ember.ops.moe")
-from tests.helpers import assert_close, poisoned
+from tests.helpers import assert_close, force_triton_or_skip, poisoned
 
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -247,10 +247,7 @@ def test_torch_compile_fullgraph_cpu():
 @pytest.mark.parametrize("force", [True, False])
 def test_add_rmsnorm_route_compile_fullgraph_cpu(monkeypatch, force):
     """The registered op and its fake under torch.compile: the kernel (forced Triton) or the reference."""
-    if force:
-        if not _dispatch.triton_available() or torch.cuda.is_available():
-            pytest.skip("the forced-Triton compile test runs on CPU-only machines with triton")
-        monkeypatch.setenv("EMBER_FORCE_TRITON", "1")
+    force_triton_or_skip(monkeypatch, force)
     x, res, lnw, router = torch.randn(2, H), torch.randn(2, H), 1 + 0.1 * torch.randn(H), torch.randn(E, H) / 8
 
     def f(x, res):

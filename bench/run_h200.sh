@@ -8,7 +8,8 @@
 #   bash bench/run_h200.sh sweeps                 # fp8 GEMV tiles, MoE T=1 v1 vs v2 (pick the defaults from these)
 #   bash bench/run_h200.sh prefill_sweep profile_vae profile_llm  # MoE prefill tiles; where VAE / LLM time goes
 #   python bench/step_variants.py $OUT/step_variants.json [names] [sizes]  # decode-step A/B of STEP_VARIANTS (~4 min)
-#   python bench/l2_prefetch_probe.py $OUT/l2_prefetch.json [cache_len]  # o_proj weight prefetched into L2 during attention?
+#   python bench/l2_prefetch_probe.py $OUT/l2_prefetch.json [cache_len]  # o_proj weight prefetched into L2 (measured: no)
+#   python bench/tma_gemv_probe.py $OUT/tma_gemv.json; python bench/fp8_m16_tma_probe.py $OUT/fp8_m16.json  # TMA-fed GEMVs
 # Results land in $OUT (or ./out): <suite>.json, gpu_tests.txt, doctor.txt; copy them to bench/results/h200/.
 set -u
 OUT=${OUT:-out}

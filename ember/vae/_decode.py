@@ -19,9 +19,10 @@ from ember.vae._stream import StreamDecoder, is_causal_conv, progress_bar, to_ch
 
 SUPPORTED = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
 # Auto tiling: at most this many bytes of conv history (2 frames per causal conv) per tile. 1 GB
-# keeps Wan2.2 at 704x1280 in 2x2 tiles and Wan2.1 at 480x832 in 2x2 tiles (see ember/bench/vae.py).
+# keeps Wan2.2 at 704x1280 in 2x2 tiles; a smaller share of it where that is nearly free (auto_tile).
 AUTO_HISTORY_BYTES = 1.0e9
 AUTO_OVERLAP_LATENT = 4  # latent pixels of overlap between auto tiles
+AUTO_MAX_EXTRA_WORK = 0.10  # smaller auto tiles when they decode at most 10% more latent pixels
 
 
 # ----------------------------------------------------------------------------- the VAE
@@ -128,18 +129,18 @@ def _validate_tiles(spec: VaeSpec, tile, overlap):
     return th, tw, oh, ow
 
 
-def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int):
-    """Tile settings that bound each tile's conv history to AUTO_HISTORY_BYTES, fewest tiles first."""
-    per_px = _history_bytes_per_latent_px(spec.vae.decoder, torch.empty((), dtype=spec.dtype).element_size())
-    if h_lat * w_lat * per_px <= AUTO_HISTORY_BYTES:
-        return None
+def _tiling(spec: VaeSpec, h_lat: int, w_lat: int, per_px: float, budget: float) -> tuple[int, int, int]:
+    """(latent pixels decoded, tile_h, tile_w) of the cheapest tiling whose tiles keep at most
+    ``budget`` bytes of conv history (tiles of the whole latent when it fits)."""
+    if h_lat * w_lat * per_px <= budget:
+        return h_lat * w_lat, h_lat, w_lat
     ov = AUTO_OVERLAP_LATENT
     best = None
     for nh in range(1, h_lat + 1):
         for nw in range(1, w_lat + 1):
             th = math.ceil((h_lat + (nh - 1) * ov) / nh) if nh > 1 else h_lat
             tw = math.ceil((w_lat + (nw - 1) * ov) / nw) if nw > 1 else w_lat
-            if th * tw * per_px > AUTO_HISTORY_BYTES or min(th, tw) < math.ceil(spec.radius):
+            if th * tw * per_px > budget or min(th, tw) < math.ceil(spec.radius):
                 continue
             work = nh * nw * th * tw
             if best is None or work < best[0]:
@@ -147,19 +148,46 @@ def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int):
         if best is not None and nh > 4:
             break
     if best is None:
-        t = max(math.ceil(spec.radius), int(math.sqrt(AUTO_HISTORY_BYTES / per_px)))
-        best = (0, t, t)
-    _, th, tw = best
-    c = spec.comp
+        t = max(math.ceil(spec.radius), int(math.sqrt(budget / per_px)))
+        best = (math.ceil(h_lat / t) * math.ceil(w_lat / t) * t * t, t, t)
+    return best
+
+
+def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int):
+    """Tile settings for ``tile=None``: None (untiled) or ((tile_h, tile_w), (overlap_h, overlap_w)).
+
+    Tiles keep each tile's conv history within AUTO_HISTORY_BYTES; of the budgets AUTO_HISTORY_BYTES
+    / 4, / 2 and / 1 the smallest whose tiling decodes at most AUTO_MAX_EXTRA_WORK more latent pixels
+    than the full budget's wins: smaller tiles for (almost) free. Wan2.1 at 480x832 thereby decodes in
+    full-height strips (1.58 -> 1.08 GB peak, same 1.7 s on the H200); Wan2.2 at 704x1280 keeps its
+    2x2 tiles (its half-budget strips would decode 19% more pixels: measured 6.27 -> 6.98 s).
+    """
+    per_px = _history_bytes_per_latent_px(spec.vae.decoder, torch.empty((), dtype=spec.dtype).element_size())
+    full = _tiling(spec, h_lat, w_lat, per_px, AUTO_HISTORY_BYTES)
+    for budget in (AUTO_HISTORY_BYTES / 4, AUTO_HISTORY_BYTES / 2):
+        cand = _tiling(spec, h_lat, w_lat, per_px, budget)
+        if cand[0] <= full[0] * (1 + AUTO_MAX_EXTRA_WORK):
+            full = cand
+            break
+    _, th, tw = full
+    if th >= h_lat and tw >= w_lat:
+        return None
+    ov, c = AUTO_OVERLAP_LATENT, spec.comp
     return (th * c, tw * c), (min(ov, th // 2) * c if th < h_lat else 0, min(ov, tw // 2) * c if tw < w_lat else 0)
 
 
-def _frames_per_chunk() -> int | None:
-    """Frames the full-resolution tail of the decoder takes at once: ``EMBER_VAE_FRAME_CHUNK``
-    (default 0 = all of a latent frame's 4 at once). A memory-for-time knob, H200 bf16
-    (bench/results/h200/vae_frame_chunk.json): Wan2.1 81x480x832 1.58 -> 1.16 GB at 1 frame but
-    1.67 -> 2.06 s; Wan2.2 121x704x1280 2.90 -> 2.22 GB, 5.83 -> 7.91 s (each 1-frame conv reads
-    2 frames of history for 1 new one, and launches quadruple)."""
+def _frames_per_chunk(arg: int | None = None) -> int | None:
+    """Frames the full-resolution tail of the decoder takes at once: ``arg`` (decode's
+    ``frames_per_chunk``) if given, else ``EMBER_VAE_FRAME_CHUNK`` (default 0 = all of a latent
+    frame's 4 at once). A memory-for-time knob, H200 bf16 (bench/results/h200/vae_frame_chunk.json,
+    vae_wan2*_memory_sweep.json): 1 frame: Wan2.1 81x480x832 1.58 -> 1.16 GB but 1.67 -> 2.06 s;
+    Wan2.2 121x704x1280 2.90 -> 2.22 GB, 5.83 -> 7.91 s (each 1-frame conv reads 2 frames of history
+    for 1 new one, and launches quadruple). 2 frames: Wan2.1 (strips) 1.08 -> 0.90 GB, 1.74 -> 1.87 s;
+    Wan2.2 2.90 -> 2.45 GB, 6.27 -> 6.84 s."""
+    if arg is not None:
+        if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
+            raise ValueError(f"frames_per_chunk: expected None or a positive integer, got {arg!r}")
+        return arg
     v = os.environ.get("EMBER_VAE_FRAME_CHUNK", "0")
     if not v.isdigit():
         raise ValueError(f"EMBER_VAE_FRAME_CHUNK: expected a non-negative integer, got {v!r}")
@@ -195,22 +223,28 @@ def _unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, progress: bool = True) -> torch.Tensor:
+def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, frames_per_chunk: int | None = None,
+           progress: bool = True) -> torch.Tensor:
     """Decode video latents with a diffusers AutoencoderKLWan / AutoencoderKLQwenImage, in tiles.
 
     ``tile`` / ``overlap`` are in sample (output) pixels, an int or an (height, width) pair, like
     diffusers' ``enable_tiling(tile_sample_min_*, tile_sample_stride_* = tile - overlap)``; with the
     same settings the output matches diffusers' decode. ``tile=None`` picks tiles that bound memory
     (untiled when small); ``tile=False`` never tiles. ``overlap=None`` is a quarter of the tile.
+    ``frames_per_chunk`` (1 or 2; default all 4 of a latent frame's): the decoder's full-resolution
+    layers take that many output frames at a time, less peak memory for some time (Wan2.1 at
+    81x480x832 on an H200: 2 -> 0.90 instead of 1.08 GB, 1.87 instead of 1.74 s); same result.
     Returns the clamped video [B, C, 1 + 4 * (frames - 1), H, W] in the VAE's dtype. Conv weights are
     given the channels-last layout in place on first use (same parameters, same values).
 
     Example:
         >>> vae = AutoencoderKLWan().to("cuda", torch.bfloat16)
         >>> video = ember.vae.decode(vae, latents, tile=(384, 672), overlap=32)
+        >>> small = ember.vae.decode(vae, latents, frames_per_chunk=2)  # auto tiles, less memory
     """
     spec = VaeSpec(vae)
     _validate_latents(spec, latents)
+    chunk = _frames_per_chunk(frames_per_chunk)
     B, _, T, h_lat, w_lat = latents.shape
     if tile is None:
         auto = auto_tile(spec, h_lat, w_lat)
@@ -233,7 +267,7 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, progress: boo
     # diffusers 0.42.1 clamps to [-1, 1] everywhere except in AutoencoderKLQwenImage.tiled_decode;
     # we follow it so that equal settings give equal results.
     clamp = not (tiled and type(vae).__name__ == "AutoencoderKLQwenImage")
-    stream = StreamDecoder(vae.decoder, frames_per_chunk=_frames_per_chunk())
+    stream = StreamDecoder(vae.decoder, frames_per_chunk=chunk)
     pq = vae.post_quant_conv
     bottom: dict[int, torch.Tensor] = {}  # column -> bottom strip of the tile above (all frames)
     bar = progress_bar(len(rows.starts) * len(cols.starts) * T, progress, "VAE decode", "tile-frames")

@@ -6,7 +6,7 @@ import types
 import torch
 
 from ember.vae._stream import to_channels_last
-from ember.vae._decode import decode
+from ember.vae._decode import _frames_per_chunk, decode
 from ember.vae._encode import EncoderSpec, _validate_tiles, _validate_video, encode_parameters
 
 
@@ -21,7 +21,8 @@ def _ember_decode(self, z: torch.Tensor, return_dict: bool = True):
     else:
         tile, overlap = False, None
     parts = z.split(1) if self.use_slicing and z.shape[0] > 1 else [z]
-    out = torch.cat([decode(self, p, tile=tile, overlap=overlap, progress=self._ember_progress) for p in parts])
+    out = torch.cat([decode(self, p, tile=tile, overlap=overlap, frames_per_chunk=self._ember_frames_per_chunk,
+                            progress=self._ember_progress) for p in parts])
     return DecoderOutput(sample=out) if return_dict else (out,)
 
 
@@ -48,13 +49,13 @@ def _ember_encode(self, x: torch.Tensor, return_dict: bool = True):
     return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
 
-def optimize(vae, *, progress: bool = True):
+def optimize(vae, *, frames_per_chunk: int | None = None, progress: bool = True):
     """Make ``vae.decode`` / ``vae.encode`` run ``ember.vae.decode`` / ``encode``; returns the same module.
 
     The module's tiling switches keep working: ``vae.enable_tiling(...)`` tiles with those settings
     (the same tile grid as diffusers' ``tiled_decode`` / ``tiled_encode``), otherwise it runs untiled,
     as diffusers would; ``enable_slicing`` still splits the batch. Weights are untouched; conv weights
-    take the channels-last layout.
+    take the channels-last layout. ``frames_per_chunk`` is passed on to ``ember.vae.decode``.
 
     Example:
         >>> vae = ember.vae.optimize(AutoencoderKLWan().to("cuda", torch.bfloat16))
@@ -63,11 +64,14 @@ def optimize(vae, *, progress: bool = True):
         >>> posterior = vae.encode(video).latent_dist
     """
     EncoderSpec(vae)  # raises for an unsupported module (VaeSpec's check, and an encoder)
+    if frames_per_chunk is not None:
+        _frames_per_chunk(frames_per_chunk)  # validated now, not at the first decode
     to_channels_last(vae.decoder)
     to_channels_last(vae.post_quant_conv)
     to_channels_last(vae.encoder)
     to_channels_last(vae.quant_conv)
     vae._ember_progress = progress
+    vae._ember_frames_per_chunk = frames_per_chunk
     vae.decode = types.MethodType(_ember_decode, vae)
     vae.encode = types.MethodType(_ember_encode, vae)
     return vae

@@ -168,6 +168,55 @@ def test_frame_chunked_tail_equals_whole_chunks(name):
     torch.testing.assert_close(out[2], out[None], rtol=1e-5, atol=1e-5)
 
 
+def test_frames_per_chunk_argument_same_video():
+    vae = make_vae("wan21")
+    z = torch.randn(1, 4, 3, 12, 12)
+    whole = ember.vae.decode(vae, z, tile=False, progress=False)
+    for c in (1, 2):
+        torch.testing.assert_close(ember.vae.decode(vae, z, tile=False, frames_per_chunk=c, progress=False), whole,
+                                   rtol=1e-5, atol=1e-5)
+    opt = ember.vae.optimize(make_vae("wan21"), frames_per_chunk=2, progress=False)
+    opt.load_state_dict(vae.state_dict())
+    torch.testing.assert_close(opt.decode(z).sample, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "2", 1.5])
+def test_frames_per_chunk_bad(bad):
+    vae = make_vae("wan21")
+    with pytest.raises(ValueError, match="frames_per_chunk: expected None or a positive integer"):
+        ember.vae.decode(vae, torch.randn(1, 4, 1, 4, 4), frames_per_chunk=bad)
+    with pytest.raises(ValueError, match="frames_per_chunk"):
+        ember.vae.optimize(make_vae("wan21"), frames_per_chunk=bad)
+
+
+def test_auto_tiles_take_smaller_budget_only_when_nearly_free(monkeypatch):
+    """auto_tile's choice keeps its history within the budget and decodes at most
+    AUTO_MAX_EXTRA_WORK more latent pixels than the full budget's tiling; on some shapes it does
+    take the smaller tiles."""
+    import ember.vae._decode as dec
+    vae = make_vae("wan21")
+    spec = VaeSpec(vae)
+    per_px = dec._history_bytes_per_latent_px(vae.decoder, 4)
+    budget = per_px * 60 * 50
+    monkeypatch.setattr(dec, "AUTO_HISTORY_BYTES", budget)
+    smaller = 0
+    for h, w in [(16, 40), (16, 90), (30, 30), (60, 104), (40, 100), (64, 64)]:
+        full_work = dec._tiling(spec, h, w, per_px, budget)[0]
+        got = dec.auto_tile(spec, h, w)
+        if got is None:
+            th, tw = h, w
+            work = h * w
+        else:
+            (th, tw), (oh, ow) = [(a // spec.comp, b // spec.comp) for a, b in got]
+            nh = 1 if th >= h else -(-(h - oh) // (th - oh))
+            nw = 1 if tw >= w else -(-(w - ow) // (tw - ow))
+            work = nh * nw * th * tw
+        assert th * tw * per_px <= budget
+        assert work <= full_work * (1 + dec.AUTO_MAX_EXTRA_WORK) + 1e-9, (h, w, got)
+        smaller += th * tw * per_px <= budget / 2
+    assert smaller > 0
+
+
 def test_frame_chunk_switch(monkeypatch):
     from ember.vae import _decode
     assert _decode._frames_per_chunk() is None  # default: all of a step's frames at once

@@ -16,21 +16,28 @@ from ember.kernels._common import arrival_counters, pdl_options, pdl_start, roun
 
 @triton.jit
 def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, q_ptr,
-                               stride_qkv, stride_cos, skb, skh, sks, svb, svh, svs, eps,
-                               NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+                               stride_qkv, stride_cos, skb, skh, sks, svb, svh, svs, eps, T,
+                               NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PREFILL: tl.constexpr = False,
+                               PDL: tl.constexpr = False):
     pdl_start(PDL)
-    # One program per (row, head) for the NH query heads and KVH key heads; key-head programs also
-    # copy that head's v.
-    b = tl.program_id(0).to(tl.int64)
+    # One program per (token row, head) for the NH query heads and KVH key heads; key-head programs
+    # also copy that head's v. Decode: row r is cache row r at positions[r]. PREFILL: the rows are
+    # B sequences of T tokens, row r is token r % T (its position) of cache row r // T.
+    r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = D // 2
     offs = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + b).to(tl.int64)
-    row = qkv_ptr + b * stride_qkv
+    if PREFILL:
+        b = r // T
+        pos = r % T
+    else:
+        b = r
+        pos = tl.load(pos_ptr + r).to(tl.int64)
+    row = qkv_ptr + r * stride_qkv
     if h < NH:
         src = row + h * D
         w_ptr = qn_ptr
-        dst = q_ptr + (b * NH + h) * D
+        dst = q_ptr + (r * NH + h) * D
     else:
         kvh = h - NH
         src = row + (NH + kvh) * D
@@ -52,18 +59,32 @@ def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_pt
     tl.store(dst + HALF + offs, round_to(n2 * c + n1 * s, dt))
 
 
-def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps) -> None:
-    B = qkv.shape[0]
-    NH, D = q_out.shape[1], q_out.shape[2]
+def _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, T, prefill):
+    rows = qkv.shape[0]
+    NH, D = q_out.shape[-2], q_out.shape[-1]
     KVH = k_cache.shape[1]
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
-    _qk_norm_rope_cache_kernel[(B, NH + KVH)](
+    _qk_norm_rope_cache_kernel[(rows, NH + KVH)](
         qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
-        NH=NH, KVH=KVH, D=D, num_warps=1, **pdl_options(qkv.device))
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, T,
+        NH=NH, KVH=KVH, D=D, PREFILL=prefill, num_warps=1, **pdl_options(qkv.device))
+
+
+def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps) -> None:
+    """Decode: qkv [B, F], positions [B], q_out [B, NH, D]."""
+    _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, 1, False)
+
+
+def prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, q_out, eps) -> None:
+    """Prefill: qkv [B, T, F] at positions 0..T-1 of cache rows 0..B-1, q_out [B, T, NH, D]."""
+    B, T, F = qkv.shape
+    if qkv.stride(2) != 1 or qkv.stride(0) != T * qkv.stride(1):  # rows must be evenly spaced
+        qkv = qkv.contiguous()
+    flat = qkv.as_strided((B * T, F), (qkv.stride(1), 1))
+    _launch_qk_norm_rope(flat, q_norm, k_norm, cos, sin, flat, k_cache, v_cache, q_out, eps, T, True)
 
 
 @triton.jit

@@ -4,6 +4,10 @@
     takes one token per row from the fused qkv projection [B, (NH + 2 KVH) * D], applies Qwen3's
     per-head RMSNorm to q and k, rotates both with RoPE at ``positions`` [B], writes k and v into the
     caches [B_max, KVH, S, D] at those positions and returns q [B, NH, D]. One launch instead of ~12.
+``prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads=, eps=)``
+    the same for a prompt: qkv [B, T, (NH + 2 KVH) * D] at positions 0..T-1, k and v written into
+    cache rows 0..B-1, q returned as [B, T, NH, D]. One launch instead of ~20 (two norms, two
+    rotations, transposes, two cache copies) in every prefill layer.
 ``qkv_proj_norm_rope_cache(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads=, eps=)``
     the same with the qkv projection (h [B <= 8, H] x weight [(NH + 2 KVH) * D, H]^T) fused in
     front: one launch instead of a GEMV plus the kernel above. Opt-in (``EMBER_FUSED_QKV=1``): slower
@@ -14,7 +18,7 @@
     part of the cache (split over the sequence, then one combine), so its cost grows with the
     context actually used, not with max_seq_len.
 
-Both read positions and lengths from device tensors and never sync the host, so they can be
+The decode ops read positions and lengths from device tensors and never sync the host, so they can be
 captured once and replayed per token. Math in float32; outputs in the I/O dtype.
 """
 from __future__ import annotations
@@ -75,6 +79,23 @@ def _validate_norm_rope_args(rows_name, B, q_norm, k_norm, cos, sin, positions, 
     return _checks.positive_float("eps", eps)
 
 
+def _validate_prefill_rope(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps):
+    _checks.tensor("qkv", qkv, dtypes=_checks.FLOAT_DTYPES, ndim=3)
+    _validate_cache(k_cache, v_cache, qkv.dtype)
+    B, T, F = qkv.shape
+    _, kvh, S, D = k_cache.shape
+    if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % kvh:
+        raise ValueError(f"num_heads: expected a positive multiple of the cache's {kvh} kv heads, got {num_heads!r}")
+    if F != (num_heads + 2 * kvh) * D:
+        raise ValueError(f"qkv: expected last dim (num_heads + 2 * kv_heads) * head_dim = {(num_heads + 2 * kvh) * D}, "
+                         f"got {F}")
+    if T > S:
+        raise ValueError(f"qkv: expected at most {S} tokens (the cache's length), got {T}")
+    _checks.same_device(qkv=qkv, k_cache=k_cache)
+    positions = torch.zeros(B, dtype=torch.int64, device=qkv.device)  # stands in: positions are 0..T-1
+    return _validate_norm_rope_args("qkv", B, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps)
+
+
 _FUSED_MAX_ROWS = 8  # decode batch sizes; the kernel pads rows to a 16-row dot tile
 
 
@@ -121,26 +142,44 @@ def _validate_attention(q, k_cache, v_cache, seq_lens, scale):
 
 
 # ----------------------------------------------------------------------------- references
+def _head_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last (head) dim in float32, rounded to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def _rope_rounded(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE with cos/sin (broadcastable to x's halves) rounded to x's dtype, products in it."""
+    c, s = c.to(x.dtype), s.to(x.dtype)
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
 def qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
     """Spec: per-head RMSNorm (fp32 math, rounded to the I/O dtype), then RoPE with cos/sin rounded to
     the I/O dtype (as transformers applies it), k and v written at ``positions``."""
     B = qkv.shape[0]
     kvh, D = k_cache.shape[1], k_cache.shape[3]
     q, k, v = qkv.split([num_heads * D, kvh * D, kvh * D], -1)
-
-    def norm(x, w, heads):
-        xf = x.reshape(B, heads, D).float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(qkv.dtype)
-
-    def rope(x):
-        c, s = cos[positions].to(x.dtype)[:, None], sin[positions].to(x.dtype)[:, None]
-        x1, x2 = x.chunk(2, -1)
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
-
-    q, k = rope(norm(q, q_norm, num_heads)), rope(norm(k, k_norm, kvh))
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    q = _rope_rounded(_head_rmsnorm(q.reshape(B, num_heads, D), q_norm, eps), c, s)
+    k = _rope_rounded(_head_rmsnorm(k.reshape(B, kvh, D), k_norm, eps), c, s)
     rows = torch.arange(B, device=qkv.device)
     k_cache[rows, :, positions] = k
     v_cache[rows, :, positions] = v.reshape(B, kvh, D)
+    return q
+
+
+def prefill_qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps):
+    """Spec: ``qk_norm_rope_cache_reference`` for every token of every row, token t at position t."""
+    B, T, _ = qkv.shape
+    kvh, D = k_cache.shape[1], k_cache.shape[3]
+    q, k, v = qkv.split([num_heads * D, kvh * D, kvh * D], -1)
+    c, s = cos[:T][None, :, None], sin[:T][None, :, None]
+    q = _rope_rounded(_head_rmsnorm(q.reshape(B, T, num_heads, D), q_norm, eps), c, s)
+    k = _rope_rounded(_head_rmsnorm(k.reshape(B, T, kvh, D), k_norm, eps), c, s)
+    k_cache[:B, :, :T] = k.transpose(1, 2)
+    v_cache[:B, :, :T] = v.reshape(B, T, kvh, D).transpose(1, 2)
     return q
 
 
@@ -175,6 +214,15 @@ def _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_h
     return q
 
 
+def _prefill_rope_impl(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps):
+    if not _dispatch.use_triton(qkv):
+        return prefill_qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps)
+    B, T, _ = qkv.shape
+    q = torch.empty(B, T, num_heads, k_cache.shape[3], dtype=qkv.dtype, device=qkv.device)
+    _dispatch.kernels("attention").prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, q, eps)
+    return q
+
+
 def _fused_impl(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
     if not _dispatch.use_triton(h):
         return qkv_proj_norm_rope_cache_reference(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
@@ -204,6 +252,18 @@ def _rope_op(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos:
 @_rope_op.register_fake
 def _(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
     return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
+
+
+@torch.library.custom_op("ember::prefill_qk_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
+def _prefill_rope_op(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                     eps: float) -> torch.Tensor:
+    return _prefill_rope_impl(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps)
+
+
+@_prefill_rope_op.register_fake
+def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads, k_cache.shape[3])
 
 
 @torch.library.custom_op("ember::qkv_proj_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
@@ -246,6 +306,27 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
     if _dispatch.compiling():
         return _rope_op(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
     return _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+
+
+def prefill_qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int,
+                               eps: float = 1e-6) -> torch.Tensor:
+    """Per-head q/k RMSNorm + RoPE + KV-cache write for a prompt; returns q [B, T, NH, D].
+
+    ``qkv`` [B, T, (NH + 2 KVH) * D] holds tokens at positions 0..T-1; their k and v land in cache
+    rows 0..B-1, positions 0..T-1. Same math and rounding as :func:`qk_norm_rope_cache` per token.
+
+    Example:
+        >>> B, T, NH, KVH, D, S = 1, 5, 4, 2, 16, 32
+        >>> kc, vc = torch.zeros(B, KVH, S, D), torch.zeros(B, KVH, S, D)
+        >>> cos, sin = torch.ones(S, D // 2), torch.zeros(S, D // 2)
+        >>> q = ember.ops.attention.prefill_qk_norm_rope_cache(torch.randn(B, T, (NH + 2 * KVH) * D),
+        ...     torch.ones(D), torch.ones(D), cos, sin, kc, vc, num_heads=NH)
+    """
+    eps = _validate_prefill_rope(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps)
+    if _dispatch.compiling():
+        return _prefill_rope_op(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps)
+    return _prefill_rope_impl(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps)
 
 
 def qkv_proj_norm_rope_cache(h: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,

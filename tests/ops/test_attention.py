@@ -83,6 +83,75 @@ def test_bad_input():
                              torch.tensor([0]), kc, vc, num_heads=8)
 
 
+def _prefill_inputs(B, T, NH, KVH, D, S, dtype, device="cpu", gate=0):
+    """qkv [B, T, F] as a column slice of a wider projection (``gate`` extra columns: strided rows, as
+    Qwen3.5's gated attention passes it), norms, tables and caches (one spare row, random contents)."""
+    full = torch.randn(B, T, (NH + 2 * KVH) * D + gate, device=device).to(dtype)
+    qkv = full[..., : (NH + 2 * KVH) * D]
+    qn, kn = (torch.rand(D, device=device) + 0.5).to(dtype), (torch.rand(D, device=device) + 0.5).to(dtype)
+    cos, sin = rope_tables(D, 10000.0, S, device)
+    kc, vc = torch.randn(B + 1, KVH, S, D, device=device).to(dtype), torch.randn(B + 1, KVH, S, D, device=device).to(dtype)
+    return qkv, qn, kn, cos, sin, kc, vc
+
+
+def test_prefill_reference_is_the_decode_spec_per_token():
+    B, T, NH, KVH, D, S = 2, 6, 4, 2, 16, 16
+    qkv, qn, kn, cos, sin, kc, vc = _prefill_inputs(B, T, NH, KVH, D, S, torch.float32, gate=16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = A.prefill_qk_norm_rope_cache_reference(qkv, qn, kn, cos, sin, kc, vc, NH, 1e-6)
+    assert q.shape == (B, T, NH, D)
+    for b in range(B):
+        for t in range(T):
+            q_t = A.qk_norm_rope_cache_reference(qkv[b:b + 1, t], qn, kn, cos, sin, torch.tensor([t]), kc2[b:b + 1],
+                                                 vc2[b:b + 1], NH, 1e-6)
+            assert torch.equal(q[b, t], q_t[0])
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # incl. the untouched spare row and positions >= T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", [0, 32])
+def test_prefill_kernel_matches_reference_interpreter(interpreter, dtype, gate):
+    B, T, NH, KVH, D, S = 2, 5, 8, 2, 16, 12
+    qkv, qn, kn, cos, sin, kc, vc = _prefill_inputs(B, T, NH, KVH, D, S, dtype, gate=gate)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc, vc, num_heads=NH)
+    q_ref = A.prefill_qk_norm_rope_cache_reference(qkv, qn, kn, cos, sin, kc2, vc2, NH, 1e-6)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1.6e-2)  # kernel rounds once, reference per op
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=tol[0], rtol=tol[1])
+    torch.testing.assert_close(kc.float(), kc2.float(), atol=tol[0], rtol=tol[1])
+    assert torch.equal(vc, vc2)
+    assert torch.equal(kc[:, :, T:], kc2[:, :, T:]) and torch.equal(kc[B], kc2[B])  # nothing else written
+
+
+def test_prefill_bad_input():
+    B, T, NH, KVH, D, S = 1, 4, 4, 2, 16, 8
+    qkv, qn, kn, cos, sin, kc, vc = _prefill_inputs(B, T, NH, KVH, D, S, torch.float32)
+    with pytest.raises(ValueError, match="qkv: expected a 3-d tensor"):
+        A.prefill_qk_norm_rope_cache(qkv[0], qn, kn, cos, sin, kc, vc, num_heads=NH)
+    with pytest.raises(ValueError, match="qkv: expected last dim"):
+        A.prefill_qk_norm_rope_cache(qkv[..., :-16], qn, kn, cos, sin, kc, vc, num_heads=NH)
+    with pytest.raises(ValueError, match="qkv: expected at most 8 tokens"):
+        A.prefill_qk_norm_rope_cache(torch.randn(1, 9, qkv.shape[-1]), qn, kn, cos, sin, kc, vc, num_heads=NH)
+    with pytest.raises(ValueError, match="qkv: expected at most 2 rows"):
+        A.prefill_qk_norm_rope_cache(torch.randn(3, T, qkv.shape[-1]), qn, kn, cos, sin, kc, vc, num_heads=NH)
+    with pytest.raises(ValueError, match="num_heads"):
+        A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc, vc, num_heads=3)
+    with pytest.raises(TypeError, match="k_cache/v_cache: expected dtype"):
+        A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc.bfloat16(), vc.bfloat16(), num_heads=NH)
+
+
+@pytest.mark.gpu
+def test_prefill_kernel_real_shapes(cuda):
+    B, T, NH, KVH, D, S = 2, 1000, 32, 4, 128, 1024
+    qkv, qn, kn, cos, sin, kc, vc = _prefill_inputs(B, T, NH, KVH, D, S, torch.bfloat16, cuda, gate=NH * D)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc, vc, num_heads=NH)
+    q_ref = A.prefill_qk_norm_rope_cache_reference(qkv, qn, kn, cos, sin, kc2, vc2, NH, 1e-6)
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(kc.float(), kc2.float(), atol=2e-2, rtol=1.6e-2)
+    assert torch.equal(vc, vc2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,S,lens", [(1, 512, [385]), (8, 4096, [1, 7, 128, 999, 4096, 33, 2048, 64])])
 def test_kernels_real_shapes(cuda, B, S, lens):

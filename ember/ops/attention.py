@@ -7,7 +7,8 @@
 ``prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads=, eps=)``
     the same for a prompt: qkv [B, T, (NH + 2 KVH) * D] at positions 0..T-1, k and v written into
     cache rows 0..B-1, q returned as [B, T, NH, D]. One launch instead of ~20 (two norms, two
-    rotations, transposes, two cache copies) in every prefill layer.
+    rotations, transposes, two cache copies) per prefill layer; not yet used by the engine (see
+    ``_common.Attention.prefill``).
 ``qkv_proj_norm_rope_cache(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads=, eps=)``
     the same with the qkv projection (h [B <= 8, H] x weight [(NH + 2 KVH) * D, H]^T) fused in
     front: one launch instead of a GEMV plus the kernel above. Opt-in (``EMBER_FUSED_QKV=1``): slower

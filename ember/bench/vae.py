@@ -119,17 +119,19 @@ def decode_row(ctx: BenchContext, name, cfg, frames, h, w, t_target, gb_target, 
             reference = out
         results[tiled] = (s, gb)
     ctx.progress(f"{name}: ember")
+
+    def ember_timed(chunk):
+        def run(latents):
+            return ember.vae.decode(vae, latents, tile=tile, overlap=overlap, frames_per_chunk=chunk, progress=False)
+        run(z[:, :, :2])  # warm-up
+        return timed(lambda: run(z), ctx.device)
+
     extra = {}
     if frames_per_chunk is not None:  # the default's figures, for the record
-        ember.vae.decode(vae, z[:, :, :2], tile=tile, overlap=overlap, progress=False)  # warm-up
-        out, s, gb = timed(lambda: ember.vae.decode(vae, z, tile=tile, overlap=overlap, progress=False), ctx.device)
+        out, s, gb = ember_timed(None)
         extra = {"default_chunk_s": s, "default_chunk_peak_GB": gb}
         del out
-
-    def run_ember():
-        return ember.vae.decode(vae, z, tile=tile, overlap=overlap, frames_per_chunk=frames_per_chunk, progress=False)
-    ember.vae.decode(vae, z[:, :, :2], tile=tile, overlap=overlap, frames_per_chunk=frames_per_chunk, progress=False)
-    out, s, gb = timed(run_ember, ctx.device)
+    out, s, gb = ember_timed(frames_per_chunk)
     quality = psnr(out, reference)
     del out, reference, vae, z
     if ctx.on_gpu:

@@ -70,10 +70,7 @@ def _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_ca
         qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, T,
-        NH=NH, KVH=KVH, D=D, PREFILL=prefill, num_warps=1,
-        # Prefill: no dependent launch. Its successor there is torch's SDPA (cuDNN), and with this
-        # kernel releasing dependents at its start, greedy tokens changed with EMBER_PDL on the H200.
-        **(dict(PDL=False) if prefill else pdl_options(qkv.device)))
+        NH=NH, KVH=KVH, D=D, PREFILL=prefill, num_warps=1, **pdl_options(qkv.device))
 
 
 def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps) -> None:

@@ -47,14 +47,19 @@ def _validate_cache(k_cache, v_cache, dtype):
 def _validate_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
     _checks.tensor("qkv", qkv, dtypes=_checks.FLOAT_DTYPES, ndim=2)
     _validate_cache(k_cache, v_cache, qkv.dtype)
+    _validate_qkv_heads(qkv, k_cache, num_heads)
+    return _validate_norm_rope_args("qkv", qkv.shape[0], q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps)
+
+
+def _validate_qkv_heads(qkv, k_cache, num_heads):
+    """num_heads against the cache's kv heads, and qkv's last dim against both (shared by decode and prefill)."""
     _, kvh, _, D = k_cache.shape
     if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % kvh:
         raise ValueError(f"num_heads: expected a positive multiple of the cache's {kvh} kv heads, got {num_heads!r}")
-    if qkv.shape[1] != (num_heads + 2 * kvh) * D:
+    if qkv.shape[-1] != (num_heads + 2 * kvh) * D:
         raise ValueError(f"qkv: expected last dim (num_heads + 2 * kv_heads) * head_dim = {(num_heads + 2 * kvh) * D}, "
-                         f"got {qkv.shape[1]}")
+                         f"got {qkv.shape[-1]}")
     _checks.same_device(qkv=qkv, k_cache=k_cache)
-    return _validate_norm_rope_args("qkv", qkv.shape[0], q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps)
 
 
 def _validate_norm_rope_args(rows_name, B, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps):
@@ -72,9 +77,10 @@ def _validate_norm_rope_args(rows_name, B, q_norm, k_norm, cos, sin, positions, 
         _checks.tensor(name, t, dtypes=(torch.float32,), ndim=2)
         if t.shape[1] != D // 2 or t.shape[0] < S:
             raise ValueError(f"{name}: expected shape [>= {S}, {D // 2}], got {tuple(t.shape)}")
-    _checks.tensor("positions", positions, dtypes=_INT_DTYPES, ndim=1)
-    if positions.shape[0] != B:
-        raise ValueError(f"positions: expected length {B} (rows of {rows_name}), got {positions.shape[0]}")
+    if positions is not None:  # None: prefill, positions 0..T-1 implied
+        _checks.tensor("positions", positions, dtypes=_INT_DTYPES, ndim=1)
+        if positions.shape[0] != B:
+            raise ValueError(f"positions: expected length {B} (rows of {rows_name}), got {positions.shape[0]}")
     _checks.same_device(k_cache=k_cache, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin, positions=positions,
                         v_cache=v_cache)
     return _checks.positive_float("eps", eps)
@@ -83,18 +89,11 @@ def _validate_norm_rope_args(rows_name, B, q_norm, k_norm, cos, sin, positions, 
 def _validate_prefill_rope(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps):
     _checks.tensor("qkv", qkv, dtypes=_checks.FLOAT_DTYPES, ndim=3)
     _validate_cache(k_cache, v_cache, qkv.dtype)
-    B, T, F = qkv.shape
-    _, kvh, S, D = k_cache.shape
-    if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % kvh:
-        raise ValueError(f"num_heads: expected a positive multiple of the cache's {kvh} kv heads, got {num_heads!r}")
-    if F != (num_heads + 2 * kvh) * D:
-        raise ValueError(f"qkv: expected last dim (num_heads + 2 * kv_heads) * head_dim = {(num_heads + 2 * kvh) * D}, "
-                         f"got {F}")
-    if T > S:
-        raise ValueError(f"qkv: expected at most {S} tokens (the cache's length), got {T}")
-    _checks.same_device(qkv=qkv, k_cache=k_cache)
-    positions = torch.zeros(B, dtype=torch.int64, device=qkv.device)  # stands in: positions are 0..T-1
-    return _validate_norm_rope_args("qkv", B, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps)
+    _validate_qkv_heads(qkv, k_cache, num_heads)
+    B, T, _ = qkv.shape
+    if T > k_cache.shape[2]:
+        raise ValueError(f"qkv: expected at most {k_cache.shape[2]} tokens (the cache's length), got {T}")
+    return _validate_norm_rope_args("qkv", B, q_norm, k_norm, cos, sin, None, k_cache, v_cache, eps)
 
 
 _FUSED_MAX_ROWS = 8  # decode batch sizes; the kernel pads rows to a 16-row dot tile

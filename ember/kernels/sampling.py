@@ -26,7 +26,10 @@ Two shapes of work:
       ``EMBER_SOFTMAX_ONE_LAUNCH=0`` forces the two-launch path for both softmax cases (A/B timing).
     All keep their counters in a small persistent per-device workspace (``_workspace``) that every
     launch leaves in its initial state, so no memset launch is needed and the ops stay capturable.
-    Expected (not yet measured): ~2 us less per call at [1, 128256] (one launch instead of two).
+    All launch with programmatic dependent launch on sm_90+ (``pdl_options``): back to back in a graph
+    the next call's programs are resident before this one ends. H200, [1, 128256] fp32 (graph-timed,
+    bench/results/h200/sampling_latency_probe.json): softmax 3.16 us, argmax 2.41 us; floors there:
+    an empty 126-program kernel 1.02 us, a 126-program load-and-reduce 1.36 us.
     Limitation: the workspace is per device, not per stream; two of these calls running concurrently
     on two streams of one device would share counters (ember issues them from one stream).
 
@@ -164,14 +167,29 @@ def _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB: tl.constexpr):
 
 
 @triton.jit
-def _barrier_wait(ctr_ptr, v, add, spin_cap):
+def _ld_acquire(ptr):
+    """``ld.acquire.gpu`` of an int64: a poll that reads the counter without an atomic round trip
+    that would queue behind the arrivals on the same address."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _barrier_wait(ctr_ptr, v, add, spin_cap, LD_POLL: tl.constexpr):
     """After arriving at a generation counter with ``add`` (``v`` the value before), poll it (acquire)
-    until the generation is complete, at most ``spin_cap`` times. Returns whether it gave up."""
+    until the generation is complete, at most ``spin_cap`` times. Returns whether it gave up.
+
+    LD_POLL (GPU only; the interpreter has no inline PTX): poll with ``ld.acquire`` instead of
+    ``atomic_add(0)``. H200, [1, 128256] one-launch softmax, PDL on, two runs: 3.04 vs 3.16 us and
+    3.19 vs 3.20 us (bench/results/h200/sampling_latency_probe_run1.json, sampling_latency_probe.json)."""
     target = (v // BARRIER_GEN + 1) * BARRIER_GEN
     cur = v + add
     polls = 0
     while (cur < target) & (polls < spin_cap):
-        cur = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+        if LD_POLL:
+            cur = _ld_acquire(ctr_ptr)
+        else:
+            cur = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
         polls += 1
     return cur < target
 
@@ -196,7 +214,8 @@ def _row_max_sum_exact(xrow, V, inv_t, BLOCK: tl.constexpr):
 # ----------------------------------------------------------------------------- one row per program
 @triton.jit
 def _softmax_row_kernel(x_ptr, out_ptr, stride_x, stride_out, V, inv_t,
-                        LOG: tl.constexpr, BLOCK: tl.constexpr):
+                        LOG: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < V
@@ -218,15 +237,17 @@ def _argmax_row_kernel(x_ptr, out_ptr, stride_x, V, BLOCK: tl.constexpr, PDL: tl
 
 # ----------------------------------------------------------------------------- split rows, one launch
 @triton.jit
-def _argmax_split_kernel(x_ptr, out_ptr, stride_x, V, P, best_ptr, cnt_ptr, CHUNK: tl.constexpr,
+def _argmax_split_kernel(x_ptr, out_ptr, stride_x, V, P, part_ptr, cnt_ptr, CHUNK: tl.constexpr, PB: tl.constexpr,
                          PDL: tl.constexpr = False):
     """Argmax of rows split over P programs each, in one launch (no finish launch: ~2 us less in a graph).
 
-    Each program folds its chunk's (max key, first column) into the row's int64 slot with
-    ``atomic_max`` (high word the key, low word 0x7FFFFFFF - column, so ties pick the first column),
-    then bumps the row's arrival counter. The program that arrives last (its atomics are acq_rel, so
-    it sees every earlier atomic_max) writes the column and swaps slot and counter back to INT64_MIN
-    and 0: the persistent workspace is ready for the next launch without a memset.
+    Each program stores its chunk's packed (max key, first column) in its own slot ``part[row, c]``
+    (high word the key, low word 0x7FFFFFFF - column, so the largest packed value is the first column
+    of the largest key), then bumps the row's arrival counter (acq_rel: publishes the slot). The program
+    that arrives last reads the row's P slots (one round trip), writes the column and puts the counter
+    back to 0, so the persistent workspace is ready for the next launch without a memset.
+    Why slots, not an ``atomic_max`` on one row slot: the last program's chain is one atomic and one
+    load instead of three atomics (H200, [1, 128256] fp32, PDL on: 2.56 vs 3.81 us, see ``argmax``).
     """
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -235,17 +256,21 @@ def _argmax_split_kernel(x_ptr, out_ptr, stride_x, V, P, best_ptr, cnt_ptr, CHUN
     mask = cols < V
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     kmax, first = _first_max(_argmax_key(x, mask), cols)
-    tl.atomic_max(best_ptr + row, (kmax.to(tl.int64) << 32) | (0x7FFFFFFF - first).to(tl.int64))
-    if tl.atomic_add(cnt_ptr + row, 1) == P - 1:
-        packed = tl.atomic_xchg(best_ptr + row, row * 0 + INT64_MIN)
-        tl.atomic_xchg(cnt_ptr + row, 0)
+    tl.store(part_ptr + row * P + c, (kmax.to(tl.int64) << 32) | (0x7FFFFFFF - first).to(tl.int64))
+    tl.debug_barrier()  # the slot store precedes the release below
+    if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:
+        tl.debug_barrier()
+        i = tl.arange(0, PB)
+        packed = tl.max(tl.load(part_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"), axis=0)
+        tl.store(cnt_ptr + row, 0)
         tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
 
 
 @triton.jit
 def _softmax_one_launch_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, n_programs, m_ptr, s_ptr,
                                bar_ptr, inv_t, spin_cap,
-                               LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr):
+                               LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr, LD_POLL: tl.constexpr = False,
+                               PDL: tl.constexpr = False):
     """Softmax of rows split over P programs each, in ONE launch with a grid barrier.
 
     Legal only when all ``n_programs = B * P`` programs are resident at once (the caller launches it
@@ -263,6 +288,7 @@ def _softmax_one_launch_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, n_pro
     max and sum from the whole row itself, so the output is still exact, and counts the event in
     ``bar_ptr[1]``.
     """
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -276,7 +302,7 @@ def _softmax_one_launch_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, n_pro
     first = (row == 0) & (c == 0)
     add = tl.where(first, BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
     v = tl.atomic_add(bar_ptr, add, sem="acq_rel", scope="gpu")
-    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap)
+    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)
     tl.debug_barrier()
     M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
     if gave_up:  # the whole row from HBM (slow, exact, counted)
@@ -291,7 +317,7 @@ def _softmax_one_launch_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, n_pro
 def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_ptr, s_ptr, bar_ptr, row_bar_ptr,
                           inv_t, spin_cap,
                           LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr, PREFETCH: tl.constexpr,
-                          FALLBACK_BLOCK: tl.constexpr):
+                          FALLBACK_BLOCK: tl.constexpr, LD_POLL: tl.constexpr = False, PDL: tl.constexpr = False):
     """Softmax of MANY rows split over P programs each, in ONE persistent launch that reads x once.
 
     The grid is R * P programs, all resident at once (``wave_plan``: at most SM count x programs per
@@ -334,6 +360,7 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     sum from the whole row (exact, slow) and counts it in ``bar_ptr[1]``; the next row's barrier is
     its own counter, unaffected.
     """
+    pdl_start(PDL)
     pid = tl.program_id(0)
     r = pid // P
     c = pid % P
@@ -357,7 +384,7 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
         nxt_mask = cols < tl.where(nxt < B, V, 0)
         if PREFETCH:
             xr = tl.load(x_ptr + nxt * stride_x + cols, mask=nxt_mask, other=-float("inf"))
-        gave_up = _barrier_wait(row_bar_ptr + row, v, add, spin_cap)
+        gave_up = _barrier_wait(row_bar_ptr + row, v, add, spin_cap, LD_POLL)
         tl.debug_barrier()
         M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
         if gave_up:  # the whole row from HBM (slow, exact, counted)
@@ -376,12 +403,13 @@ def _chunk_stats_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr,
                         t_ptr, t_scalar,
                         cnt_ptr, best_ptr, offset_ptr, offset_scalar, off_out_ptr,
                         T_PER_ROW: tl.constexpr, SAMPLE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
-                        CHUNK: tl.constexpr):
+                        CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Per (row, chunk): max of z = x / T, sum of exp(z - max), first index of the max.
 
     T == 0 (greedy sampling rows) uses z = x. With SAMPLE, chunk 0 of each row also zeroes the
     row's counters for launch 2, and program (0, 0) reads the RNG offset and advances the tensor.
     """
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = _row_param(t_ptr, t_scalar, row, tl.float32, T_PER_ROW)
@@ -412,8 +440,9 @@ def _chunk_stats_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr,
 # ----------------------------------------------------------------------------- split rows, launch 2
 @triton.jit
 def _softmax_finish_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, m_ptr, s_ptr, a_ptr, inv_t, n_rows,
-                           LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr):
+                           LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr, PDL: tl.constexpr = False):
     # Rows in reverse order of launch 1: the rows it read last are still in L2.
+    pdl_start(PDL)
     row = (n_rows - 1 - tl.program_id(0)).to(tl.int64)
     c = tl.program_id(1)
     M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
@@ -497,7 +526,8 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                    T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                    MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr,
                    CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                   FALLBACK_BLOCK: tl.constexpr):
+                   FALLBACK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = _row_param(t_ptr, t_scalar, row, tl.float32, T_PER_ROW)
@@ -591,6 +621,12 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
+def _split_warps(chunk: int) -> int:
+    """Warps of a split-row program that finishes in one launch: at least 4. H200, [1, 128256] fp32,
+    one-launch softmax with PDL, chunk 1024: 3.16 us with 4 warps, 3.43 with 2, 3.45 with 8."""
+    return max(4, _warps(chunk))
+
+
 def _stats(x2, t_ptr, t_scalar, t_per_row, chunk, P, sample_state=None):
     B, V = x2.shape
     ws = torch.empty((3, B, P), dtype=torch.float32, device=x2.device)
@@ -601,39 +637,37 @@ def _stats(x2, t_ptr, t_scalar, t_per_row, chunk, P, sample_state=None):
         cnt, best, off_t, off_s, off_out, has_off = sample_state
     _chunk_stats_kernel[(B, P)](x2, x2.stride(0), V, P, m, s, a, t_ptr, t_scalar, cnt, best, off_t, off_s, off_out,
                                 T_PER_ROW=t_per_row, SAMPLE=sample_state is not None, OFFSET_TENSOR=has_off,
-                                CHUNK=chunk, num_warps=_warps(chunk))
+                                CHUNK=chunk, num_warps=_warps(chunk), **pdl_options(x2.device))
     return m, s, a
 
 
 # ----------------------------------------------------------------------------- persistent workspace
-# One int64 buffer per device: [grid barrier counter, barrier give-ups, best[cap] (INT64_MIN),
-# count[cap] (0), row barrier[cap] (0)]. Every launch that uses it leaves it in this state (the
-# barrier counters: a multiple of BARRIER_GEN). Never freed: CUDA graphs captured earlier keep
-# pointing at it, so an outgrown buffer is parked in _OUTGROWN rather than released.
+# One int64 buffer per device: [grid barrier counter, barrier give-ups, count[cap] (0), row
+# barrier[cap] (0)]. Every launch that uses it leaves it in this state (the barrier counters: a
+# multiple of BARRIER_GEN). Never freed: CUDA graphs captured earlier keep pointing at it, so an
+# outgrown buffer is parked in _OUTGROWN rather than released.
 _WORKSPACES: dict[tuple[str, int | None], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
 
 
 def _fresh_workspace(device: torch.device, cap: int) -> torch.Tensor:
-    ws = torch.zeros(2 + 3 * cap, dtype=torch.int64, device=device)
-    ws[2:2 + cap].fill_(-(1 << 63))
-    return ws
+    return torch.zeros(2 + 2 * cap, dtype=torch.int64, device=device)
 
 
 def _workspace_cap(ws: torch.Tensor) -> int:
-    return (ws.numel() - 2) // 3
+    return (ws.numel() - 2) // 2
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grid barrier [2], best [rows], count [rows], row barrier [rows]) views of the device's
-    workspace, in their initial state.
+def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grid barrier [2], arrival count [rows], row barrier [rows]) views of the device's workspace,
+    in their initial state.
 
     First needed (or needed larger) during CUDA-graph capture: the buffer is a temporary of that
-    capture, initialised by fills that are captured too (they rerun before the kernel on every replay,
+    capture, initialised by a fill that is captured too (it reruns before the kernel on every replay,
     one extra node), and is not cached, because the eager state of memory allocated during capture is
     never initialised. Warm up once outside capture (as Triton's compile needs anyway) to avoid that.
     """
@@ -644,7 +678,7 @@ def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Ten
         fresh = _fresh_workspace(device, cap)
         if _capturing(device):
             warnings.warn("ember sampling: workspace first needed (or needed larger) during CUDA-graph capture; "
-                          "using a per-graph temporary with captured fills (one extra node per replay). "
+                          "using a per-graph temporary with a captured fill (one extra node per replay). "
                           f"Call the op once outside capture with >= {rows} rows to avoid it.", stacklevel=3)
             ws = fresh
         else:
@@ -652,7 +686,7 @@ def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Ten
                 _OUTGROWN.append(ws)
             ws = _WORKSPACES[key] = fresh
     cap = _workspace_cap(ws)
-    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows], ws[2 + 2 * cap:2 + 2 * cap + rows]
+    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows]
 
 
 def barrier_give_ups(device: torch.device) -> int:
@@ -709,11 +743,12 @@ def softmax_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature: float, 
     """The grid-barrier launch; the caller guarantees co-residency (_one_launch_split)."""
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
-    barrier, _, _, _ = _workspace(x2.device, 0)
+    barrier, _, _ = _workspace(x2.device, 0)
     _softmax_one_launch_kernel[(B, P)](x2, out, x2.stride(0), out.stride(0), V, P, B * P, part[0], part[1],
                                        barrier, 1.0 / temperature, spin_cap,
                                        LOG=log, CHUNK=chunk, PB=max(2, triton.next_power_of_2(P)),
-                                       num_warps=_warps(chunk))
+                                       LD_POLL=x2.device.type == "cuda", num_warps=_split_warps(chunk),
+                                       **pdl_options(x2.device))
 
 
 # ----------------------------------------------------------------------------- many long rows, one launch
@@ -784,12 +819,13 @@ def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: 
     """
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
-    barrier, _, _, row_barrier = _workspace(x2.device, B)
+    barrier, _, row_barrier = _workspace(x2.device, B)
     return _softmax_waves_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
                                     barrier, row_barrier, 1.0 / temperature, spin_cap,
                                     LOG=log, CHUNK=cfg.chunk, PB=max(2, triton.next_power_of_2(P)),
                                     PREFETCH=cfg.prefetch, FALLBACK_BLOCK=min(cfg.chunk, 2048),
-                                    num_warps=cfg.warps, maxnreg=cfg.max_registers())
+                                    LD_POLL=x2.device.type == "cuda", num_warps=cfg.warps,
+                                    maxnreg=cfg.max_registers(), **pdl_options(x2.device))
 
 
 def softmax_path(B: int, V: int, sms: int, one_launch: bool, cfg: WaveConfig | None = None) -> tuple:
@@ -825,7 +861,7 @@ def softmax(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool) 
     if path[0] == "row":
         block = triton.next_power_of_2(V)
         _softmax_row_kernel[(B,)](x2, out, x2.stride(0), out.stride(0), V, 1.0 / temperature,
-                                  LOG=log, BLOCK=block, num_warps=_warps(block))
+                                  LOG=log, BLOCK=block, num_warps=_warps(block), **pdl_options(x2.device))
     elif path[0] == "grid":
         softmax_one_launch(x2, out, temperature, log, path[1], path[2])
     elif path[0] == "waves":
@@ -834,7 +870,7 @@ def softmax(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool) 
         chunk, P, PB = _split(V)
         m, s, a = _stats(x2, x2, temperature, False, chunk, P)
         _softmax_finish_kernel[(B, P)](x2, out, x2.stride(0), out.stride(0), V, P, m, s, a, 1.0 / temperature, B,
-                                       LOG=log, CHUNK=chunk, PB=PB, num_warps=_warps(chunk))
+                                       LOG=log, CHUNK=chunk, PB=PB, num_warps=_warps(chunk), **pdl_options(x2.device))
 
 
 def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
@@ -845,10 +881,14 @@ def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
         _argmax_row_kernel[(B,)](x2, out, x2.stride(0), V, BLOCK=block, num_warps=_warps(block),
                                  **pdl_options(x2.device))
         return
-    chunk, P, _ = _split(V)
-    _, best, count, _ = _workspace(x2.device, B)
-    _argmax_split_kernel[(B, P)](x2, out, x2.stride(0), V, P, best, count, CHUNK=chunk, num_warps=_warps(chunk),
-                                 **pdl_options(x2.device))
+    chunk, P, PB = _split(V)
+    _, count, _ = _workspace(x2.device, B)
+    part = torch.empty((B, P), dtype=torch.int64, device=x2.device)
+    # H200 [1, 128256] fp32, chunk 1024, PDL on (bench/results/h200/sampling_latency_probe*.json):
+    # 2.56 us with 4 warps; the previous kernel (atomic_max into one row slot) 3.81 us with 4 warps,
+    # 4.25 with 2
+    _argmax_split_kernel[(B, P)](x2, out, x2.stride(0), V, P, part, count, CHUNK=chunk, PB=PB,
+                                 num_warps=_split_warps(chunk), **pdl_options(x2.device))
 
 
 def _param(v, dtype_scalar):
@@ -894,4 +934,5 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
         p_ptr if p_row else dummy, p_s, mp_ptr if mp_row else dummy, mp_s,
         seed_ptr, seed_s, off_out, cnt, best, cand_z, cand_i,
         T_PER_ROW=t_row, K_PER_ROW=k_row, P_PER_ROW=p_row, MP_PER_ROW=mp_row, SEED_MODE=seed_mode,
-        CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, num_warps=_warps(chunk) * 2)
+        CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, num_warps=_warps(chunk) * 2,
+        **pdl_options(x2.device))

@@ -345,7 +345,8 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     a one-row prefetch only partly hides. What would close the gap: more rows in flight per wave
     (PER_SM 3 / 6 under an 80-register cap, 24 rows: measured 96.8 us for 8192,8,3,1 and 110.8 us
     for 4096,4,6,1, both spilling; 2048,4,8,1 116.0 us), or a prefetch two rows deep (a ring in
-    shared memory, not registers).
+    shared memory, not registers). Taking the barrier off the critical path does not help
+    (``_softmax_lagged_kernel``: 100.8 us at best).
 
     Row barrier: ``row_bar_ptr[row]``, generation based like the grid barrier of
     ``_softmax_one_launch_kernel``: chunk 0 adds BARRIER_GEN - (P - 1), the others 1, so each launch
@@ -393,6 +394,76 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
         tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
         if not PREFETCH:
             xr = tl.load(x_ptr + nxt * stride_x + cols, mask=nxt_mask, other=-float("inf"))
+
+
+@triton.jit(do_not_specialize=["B", "P", "R", "spin_cap"])
+def _softmax_lagged_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_ptr, s_ptr, bar_ptr, row_bar_ptr,
+                           inv_t, spin_cap,
+                           LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr, LAG: tl.constexpr,
+                           FALLBACK_BLOCK: tl.constexpr, LD_POLL: tl.constexpr = False, PDL: tl.constexpr = False):
+    """``_softmax_waves_kernel`` with the row barrier LAG rows behind: no program waits for a row
+    its siblings published moments ago.
+
+    Same grid, rows and barriers. Iteration i: phase A reads row i's chunk from HBM (``evict_last``:
+    it stays in L2), publishes its (max, sum of exp) and arrives at row i's barrier without waiting;
+    phase B finishes row i - LAG: waits at its barrier (its siblings arrived LAG iterations ago, so
+    normally it is complete), combines, re-reads the chunk (from L2) and writes the normalised chunk.
+    HBM traffic stays one read and one write per element; the barrier round trip leaves the critical
+    path. L2 holds the LAG rows in flight: R * LAG * V * 4 bytes (16 x 2 x 513 KB = 16 MB at
+    [256, 128256] fp32 with 8192-element chunks, of a 60 MB L2).
+    Order without deadlock: every program finishes phase A of iteration i before it waits in phase
+    B of iteration i, for rows <= i - LAG whose arrivals need only earlier phases A.
+    Measured SLOWER than the waves kernel, so opt-in only (``EMBER_SOFTMAX_WAVES=...,0,LAG``): H200
+    [256, 128256] fp32 (bench/results/h200/sampling_waves_lag_sweep.json) 8192,8,2,0,1 100.8 us and
+    8192,8,2,0,2 108.8 us against 95.4 us for the default 8192,8,2,1 and 117.9 us for 8192,8,2,0
+    (no prefetch, barrier right behind). So the barrier round trip is not what holds the default at
+    66% of copy bandwidth; one row load in flight per program (phase A waits for its own load) is
+    the likelier limit, and the default's prefetch keeps two.
+    The arrival values of the last two rows are carried (prev1, prev2): LAG is 1 or 2.
+    """
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    r = pid // P
+    c = pid % P
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < V
+    n_rows = (B - r + R - 1) // R          # host guarantees R <= B, so r < B and n_rows >= 1
+    add = tl.where(c == 0, BARRIER_GEN - (P - 1), 1).to(tl.int64)
+    prev1 = add * 0  # arrival value at row i - 1's barrier
+    prev2 = add * 0  # ... at row i - 2's
+    for i in range(0, n_rows + LAG):
+        # phase A: row i (masked off past the last row)
+        live_a = i < n_rows
+        row_a = (r + tl.minimum(i, n_rows - 1) * R).to(tl.int64)
+        mask_a = cols < tl.where(live_a, V, 0)
+        z = tl.load(x_ptr + row_a * stride_x + cols, mask=mask_a, other=-float("inf"),
+                    eviction_policy="evict_last").to(tl.float32) * inv_t
+        m, s = _chunk_max_sum(z)
+        if live_a:
+            tl.store(m_ptr + row_a * P + c, m)
+            tl.store(s_ptr + row_a * P + c, s)
+        tl.debug_barrier()  # every thread's stores precede the release below
+        v = tl.atomic_add(row_bar_ptr + row_a, add, mask=live_a, sem="acq_rel", scope="gpu")
+        # phase B: row i - LAG
+        j = i - LAG
+        live_b = j >= 0
+        row_b = (r + tl.maximum(j, 0) * R).to(tl.int64)
+        if LAG == 1:
+            vb = prev1
+        else:
+            vb = prev2
+        if live_b:
+            gave_up = _barrier_wait(row_bar_ptr + row_b, vb, add, spin_cap, LD_POLL)
+            tl.debug_barrier()
+            M, Z = _row_max_sum(m_ptr, s_ptr, row_b, P, PB)
+            if gave_up:  # the whole row from HBM (slow, exact, counted)
+                M, Z = _row_max_sum_exact(x_ptr + row_b * stride_x, V, inv_t, FALLBACK_BLOCK)
+                tl.atomic_add(bar_ptr + 1, 1)
+            zb = tl.load(x_ptr + row_b * stride_x + cols, mask=mask, other=-float("inf"),
+                         eviction_policy="evict_first").to(tl.float32) * inv_t
+            tl.store(out_ptr + row_b * stride_out + cols, _normalised(zb, M, Z, LOG), mask=mask)
+        prev2 = prev1
+        prev1 = v
 
 
 # ----------------------------------------------------------------------------- split rows, launch 1
@@ -764,6 +835,7 @@ class WaveConfig(NamedTuple):
     warps: int     # num_warps per program
     per_sm: int    # programs resident per SM (the register cap below makes them fit)
     prefetch: int  # 1: load the next row's chunk before waiting at the row barrier
+    lag: int = 0   # 1 or 2: ``_softmax_lagged_kernel``, the barrier this many rows behind (prefetch 0)
 
     def max_registers(self) -> int:
         """Per-thread register cap (ptxas .maxnreg) so ``per_sm`` programs fit in an SM's 64K registers."""
@@ -783,15 +855,17 @@ def wave_config() -> WaveConfig:
     if not text:
         return WAVES_DEFAULT
     try:
-        cfg = WaveConfig(*(int(v) for v in text.split(",")))
+        values = [int(v) for v in text.split(",")]
+        cfg = WaveConfig(*values) if len(values) in (4, 5) else None
     except (TypeError, ValueError):
         cfg = None
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     if (cfg is None or not pow2(cfg.chunk) or not 1024 <= cfg.chunk <= ROW_BLOCK_MAX or not pow2(cfg.warps)
-            or cfg.warps > 32 or cfg.per_sm < 1 or cfg.per_sm * cfg.warps > 64 or cfg.prefetch not in (0, 1)):
-        raise ValueError("EMBER_SOFTMAX_WAVES: expected 'CHUNK,WARPS,PER_SM,PREFETCH' with CHUNK a power of 2 in "
-                         f"[1024, {ROW_BLOCK_MAX}], WARPS a power of 2 <= 32, PER_SM * WARPS <= 64 (2048 threads "
-                         f"per SM), PREFETCH 0 or 1; got {text!r}")
+            or cfg.warps > 32 or cfg.per_sm < 1 or cfg.per_sm * cfg.warps > 64 or cfg.prefetch not in (0, 1)
+            or cfg.lag not in (0, 1, 2) or (cfg.lag and cfg.prefetch)):
+        raise ValueError("EMBER_SOFTMAX_WAVES: expected 'CHUNK,WARPS,PER_SM,PREFETCH[,LAG]' with CHUNK a power of 2 "
+                         f"in [1024, {ROW_BLOCK_MAX}], WARPS a power of 2 <= 32, PER_SM * WARPS <= 64 (2048 threads "
+                         f"per SM), PREFETCH 0 or 1, LAG 0, 1 or 2 (LAG > 0 needs PREFETCH 0); got {text!r}")
     return cfg
 
 
@@ -820,6 +894,13 @@ def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: 
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
     barrier, _, row_barrier = _workspace(x2.device, B)
+    if cfg.lag:
+        return _softmax_lagged_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
+                                                barrier, row_barrier, 1.0 / temperature, spin_cap,
+                                                LOG=log, CHUNK=cfg.chunk, PB=max(2, triton.next_power_of_2(P)),
+                                                LAG=cfg.lag, FALLBACK_BLOCK=min(cfg.chunk, 2048),
+                                                LD_POLL=x2.device.type == "cuda", num_warps=cfg.warps,
+                                                maxnreg=cfg.max_registers(), **pdl_options(x2.device))
     return _softmax_waves_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
                                     barrier, row_barrier, 1.0 / temperature, spin_cap,
                                     LOG=log, CHUNK=cfg.chunk, PB=max(2, triton.next_power_of_2(P)),

@@ -126,11 +126,11 @@ def test_one_launch_never_on_cpu_and_env_switch(interpreter, monkeypatch):
 
 # ------------------------------------------------------------------ many-row softmax (waves), CPU
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("prefetch", [0, 1])
-def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch):
+@pytest.mark.parametrize("prefetch,lag", [(0, 0), (1, 0), (0, 1), (0, 2)])
+def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch, lag):
     k = _k()
     B, V, P, R = 5, 4500, 5, 2      # chunks of 1024 (the last holds 404); rows 0, 2, 4 | 1, 3: a short last wave
-    cfg = k.WaveConfig(1024, 4, 1, prefetch)
+    cfg = k.WaveConfig(1024, 4, 1, prefetch, lag)   # lag > 0: _softmax_lagged_kernel
     base = (torch.randn(B, V + 24) * 4).to(dtype)
     x = base[:, 8:8 + V]                               # rows not contiguous with each other
     x[3, 4400:] = -math.inf                            # -inf tail inside the partial chunk
@@ -179,12 +179,14 @@ def test_wave_config_env_and_register_cap(monkeypatch):
     monkeypatch.delenv("EMBER_SOFTMAX_WAVES", raising=False)
     assert k.wave_config() == k.WAVES_DEFAULT
     monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "8192,8,2,1")
-    assert k.wave_config() == (8192, 8, 2, 1)
+    assert k.wave_config() == k.WaveConfig(8192, 8, 2, 1)
     assert k.WaveConfig(8192, 8, 2, 1).max_registers() == 128     # 2 x 256 threads x 128 = 64K
     assert k.WaveConfig(16384, 16, 2, 0).max_registers() == 64
     assert k.WaveConfig(4096, 4, 1, 0).max_registers() == 255      # the ISA's limit
+    monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "8192,8,2,0,2")
+    assert k.wave_config() == (8192, 8, 2, 0, 2) and k.wave_config().lag == 2
     for bad in ("8192,8,2", "3000,8,1,1", "512,4,1,0", "32768,16,1,1", "8192,6,1,1", "8192,16,8,1",
-                "8192,8,0,1", "8192,8,1,2", "fast"):
+                "8192,8,0,1", "8192,8,1,2", "8192,8,2,1,1", "8192,8,2,0,3", "8192,8,2,0,1,1", "fast"):
         monkeypatch.setenv("EMBER_SOFTMAX_WAVES", bad)
         with pytest.raises(ValueError, match="EMBER_SOFTMAX_WAVES.*" + bad):
             k.wave_config()
@@ -196,13 +198,13 @@ def test_softmax_path_by_shape(monkeypatch):
     assert k.softmax_path(300, 16384, 132, True) == ("row",)
     assert k.softmax_path(4, 128256, 132, True) == ("grid", 4096, 32)
     assert k.softmax_path(16, 128256, 132, True) == ("grid", 16384, 8)      # 128 programs
-    assert k.WAVES_DEFAULT == (8192, 8, 2, 1)                                 # the measured best
+    assert k.WAVES_DEFAULT == k.WaveConfig(8192, 8, 2, 1)                 # the measured best
     assert k.softmax_path(17, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 16, 9)  # 2 waves
     assert k.softmax_path(256, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 16, 16)
     assert k.softmax_path(256, 128256, 132, False) == ("two",)              # EMBER_SOFTMAX_ONE_LAUNCH=0
     assert k.softmax_path(1, 1 << 20, 32, True) == ("two",)                  # a row needs 128 programs
     monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "16384,16,1,0")
-    assert k.softmax_path(256, 128256, 132, True) == ("waves", (16384, 16, 1, 0), 8, 16)
+    assert k.softmax_path(256, 128256, 132, True) == ("waves", k.WaveConfig(16384, 16, 1, 0), 8, 16)
 
 
 def test_many_rows_gpu_matrix_paths_on_h200(monkeypatch):

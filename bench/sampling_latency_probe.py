@@ -5,7 +5,7 @@ Times, each on the inputs the bench rotates through (more than 2x L2):
   * the one-launch softmax (grid barrier) per chunk size, warps, PDL, and barrier poll
     (``atomic_add(0)`` or an ``ld.acquire`` spin: the kernel's LD_POLL);
   * the one-launch argmax per chunk size, warps and PDL;
-  * the public ops as they launch (softmax, argmax, sample).
+  * the public ops as they launch (softmax, argmax, sample), and with EMBER_SOFTMAX_ONE_LAUNCH=0.
 sampling_latency_probe_run1.json is the first run, on the kernels before this probe (argmax then
 folded every chunk into one slot with atomic_max; the ld.acquire poll was a copy of the kernel).
 Every variant's output is checked against torch before it is timed.
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 import ember
-from ember.bench import _timing
+from ember.bench import _timing, env_vars
 from ember.kernels import sampling as ks
 from ember.kernels._common import pdl_start
 
@@ -64,7 +64,7 @@ def main(path: str | None = None) -> dict:
              for x in xs])
     print("floors", {k: round(v, 2) for k, v in res["floors"].items()}, flush=True)
 
-    barrier, count, _ = ks._workspace(torch.device("cuda"), 1)
+    barrier, count, _, _ = ks._workspace(torch.device("cuda"), 1)
     out = torch.empty(1, V, device="cuda")
     for chunk in (1024, 2048, 4096):
         P = triton.cdiv(V, chunk)
@@ -114,7 +114,14 @@ def main(path: str | None = None) -> dict:
                   "sample_t0.7_k50_p0.9": _timing.graph_time_us([lambda x=x: ember.ops.sample(x, **kw) for x in xs]),
                   "sample_t0.7": _timing.graph_time_us([lambda x=x: ember.ops.sample(x, temperature=0.7, seed=1,
                                                                                       check=False) for x in xs])}
+    with env_vars({"EMBER_SOFTMAX_ONE_LAUNCH": "0"}):  # the two-launch paths, for A/B
+        res["ops_two_launch"] = {
+            "softmax": _timing.graph_time_us([lambda x=x: ember.ops.softmax(x) for x in xs]),
+            "sample_t0.7_k50_p0.9": _timing.graph_time_us([lambda x=x: ember.ops.sample(x, **kw) for x in xs]),
+            "sample_t0.7": _timing.graph_time_us([lambda x=x: ember.ops.sample(x, temperature=0.7, seed=1,
+                                                                                check=False) for x in xs])}
     print("ember.ops", {k: round(v, 2) for k, v in res["ops"].items()}, flush=True)
+    print("two launches", {k: round(v, 2) for k, v in res["ops_two_launch"].items()}, flush=True)
     res["torch"] = {"softmax": _timing.graph_time_us([lambda x=x: torch.softmax(x, -1) for x in xs]),
                     "argmax": _timing.graph_time_us([lambda x=x: torch.argmax(x, -1) for x in xs])}
     print("torch", res["torch"], flush=True)

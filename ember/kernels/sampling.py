@@ -23,7 +23,7 @@ Two shapes of work:
         67.5% of copy bandwidth, against 107.9 us for the two launches, which read x twice (394 MB:
         131 MB > the 50 MB L2, so the second read mostly misses) and 135.8 us for torch.softmax; the
         80% target is missed (the kernel docstring has the sweep and what limits it).
-      ``EMBER_SOFTMAX_ONE_LAUNCH=0`` forces the two-launch path for both softmax cases (A/B timing).
+      ``EMBER_SOFTMAX_ONE_LAUNCH=0`` forces the two-launch path for both softmax cases and for sampling (A/B timing).
     All keep their counters in a small persistent per-device workspace (``_workspace``) that every
     launch leaves in its initial state, so no memset launch is needed and the ops stay capturable.
     All launch with programmatic dependent launch on sm_90+ (``pdl_options``): back to back in a graph
@@ -34,7 +34,10 @@ Two shapes of work:
     on two streams of one device would share counters (ember issues them from one stream).
 
 Sampling (``sample``; the semantics are ember/ops/sampling.py's float64 reference) is the same two
-launches. Launch 2 draws with an exponential race (Gumbel-max): token ``argmax(z - log(-log u))``
+launches, or for few rows (B * P <= SM count, GPU) both in one (``_sample_one_launch_kernel``: grid
+barrier between them; H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9: 10.9 vs 11.6 us, temperature
+alone 6.5 vs 7.1 us: the launch was not where the time goes, the last program's candidate sort is).
+Launch 2 draws with an exponential race (Gumbel-max): token ``argmax(z - log(-log u))``
 over the surviving tokens, ``u`` from Philox keyed on (seed, token, row, offset), so no sort and no
 cumulative sum over the row. The survivors are ``{z >= tau}`` for one threshold tau:
   * no top-k / top-p: tau comes from the row max alone (min-p), every program races its chunk and
@@ -153,16 +156,17 @@ def _row_param(ptr, scalar, row, dtype: tl.constexpr, PER_ROW: tl.constexpr):
 
 
 @triton.jit
-def _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB: tl.constexpr):
-    """Row max, sum of exp(z - max), first argmax, and the chunk maxima (padded with -inf)."""
+def _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB: tl.constexpr, CACHE: tl.constexpr):
+    """Row max, sum of exp(z - max), first argmax, and the chunk maxima (padded with -inf).
+    CACHE ".cg" reads them from L2: other programs of the same launch wrote them."""
     c = tl.arange(0, PB)
     cm = c < P
-    m = tl.load(m_ptr + row * P + c, mask=cm, other=-float("inf"))
-    s = tl.load(s_ptr + row * P + c, mask=cm, other=0.0)
+    m = tl.load(m_ptr + row * P + c, mask=cm, other=-float("inf"), cache_modifier=CACHE)
+    s = tl.load(s_ptr + row * P + c, mask=cm, other=0.0, cache_modifier=CACHE)
     M = tl.max(m, axis=0)
     Z = tl.sum(tl.where(m > -float("inf"), s * tl.exp(m - M), 0.0), axis=0)
     first = tl.argmax(m, axis=0)
-    a = tl.load(a_ptr + row * P + first)
+    a = tl.load(a_ptr + row * P + first, cache_modifier=CACHE)
     return M, Z, a, m
 
 
@@ -590,6 +594,87 @@ def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, o
     return tl.sum(tl.where(tl.arange(0, BLOCK) == w, best_idx, 0), axis=0)
 
 
+@triton.jit
+def _row_sampling_params(t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar, seed_ptr, seed_scalar,
+                         row, V, T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
+                         MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr):
+    """(temperature, top_k (0 when >= V), top_p, min_p, seed) of ``row``."""
+    t = _row_param(t_ptr, t_scalar, row, tl.float32, T_PER_ROW)
+    k = _row_param(k_ptr, k_scalar, row, tl.int32, K_PER_ROW)
+    p = _row_param(p_ptr, p_scalar, row, tl.float32, P_PER_ROW)
+    minp = _row_param(mp_ptr, mp_scalar, row, tl.float32, MP_PER_ROW)
+    if SEED_MODE == 0:
+        seed = tl.cast(seed_scalar, tl.int64)
+    elif SEED_MODE == 1:
+        seed = tl.load(seed_ptr).to(tl.int64)
+    else:
+        seed = tl.load(seed_ptr + row).to(tl.int64)
+    return t, tl.where(k >= V, 0, k), p, minp, seed
+
+
+@triton.jit
+def _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK: tl.constexpr):
+    """Min-p (or no) filter: this chunk's packed best race key (``_pack``)."""
+    keep = inb & (tl.exp(z - M) >= minp) & (z > -float("inf"))
+    key = tl.where(keep, _race_key(z, cols, seed, row, off), -float("inf"))
+    j = tl.argmax(key, axis=0)
+    return _pack(tl.max(key, axis=0), c * CHUNK + j)
+
+
+@triton.jit
+def _candidate_bound(chunk_max, k, p, P, V, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr):
+    """Lower bound L on the final threshold from the chunk maxima (module docstring): the k-th largest
+    chunk max for top-k, the KC-th largest for top-p alone; +inf (fallback) when k > P; -inf for a
+    row short enough to take whole."""
+    rank = tl.where(k > 0, tl.minimum(k, PB), tl.minimum(P, KC))
+    L = _kth_largest(chunk_max, rank, PB)
+    L = tl.where((k > 0) & (k > P), float("inf"), L)
+    return tl.where(V <= CAP, -float("inf"), L)
+
+
+@triton.jit
+def _append_candidates(z, cols, inb, L, n_ptr, cand_z_ptr, cand_i_ptr, row, CAP: tl.constexpr):
+    """Append this chunk's values >= L (and their columns) to the row's list; n_ptr counts them."""
+    is_cand = inb & (z >= L) & (z > -float("inf"))
+    base = tl.atomic_add(n_ptr, tl.sum(is_cand.to(tl.int32), axis=0).to(n_ptr.dtype.element_ty))
+    slot = base + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1
+    ok = is_cand & (slot < CAP)
+    tl.store(cand_z_ptr + row * CAP + slot, z, mask=ok)
+    tl.store(cand_i_ptr + row * CAP + slot, cols, mask=ok)
+
+
+@triton.jit
+def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr, seed, off,
+                     CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr):
+    """The row's token from its n candidates (every value >= L): sort them, read tau_k and tau_p off
+    the sorted prefix sums, race the survivors; the exact bisection over the row when the list
+    overflowed or cannot decide top-p."""
+    i = tl.arange(0, CAP)
+    cz = tl.load(cand_z_ptr + row * CAP + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
+    ci = tl.load(cand_i_ptr + row * CAP + i, mask=i < n, other=0, cache_modifier=".cg")
+    srt = tl.sort(cz, descending=True)
+    e = tl.exp(srt - M)
+    tau_k = tl.max(tl.where(i == k - 1, srt, -float("inf")), axis=0)   # -inf when k == 0
+    ek = tl.where(srt >= tau_k, e, 0.0)
+    mass_k = tl.where(k > 0, tl.sum(ek, axis=0), Z)
+    # top-k: the candidates hold every value >= L <= tau_k. top-p alone: they hold all the mass
+    # above L, so the nucleus is decided iff that mass reaches p
+    complete = tl.where(k > 0, L < float("inf"), (tl.sum(e, axis=0) >= p * Z) | (V <= CAP))
+    complete = complete & (n <= CAP)
+    # mass strictly before each sorted position; the nucleus ends at the last one < p
+    before = tl.cumsum(ek, axis=0) - ek
+    in_p = (before < p * mass_k) & (srt >= tau_k)
+    tau_p = tl.min(tl.where(in_p, srt, float("inf")), axis=0)
+    tau = tl.where(p < 1.0, tau_p, tau_k)
+    keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
+    key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
+    w = tl.argmax(key, axis=0)
+    tok = tl.sum(tl.where(i == w, ci, 0), axis=0)
+    if complete == 0:
+        tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off, FALLBACK_BLOCK)
+    return tok
+
+
 @triton.jit(do_not_specialize=["t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar"])
 def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                    t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
@@ -601,77 +686,135 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    t = _row_param(t_ptr, t_scalar, row, tl.float32, T_PER_ROW)
-    M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB)
+    t, k, p, minp, seed = _row_sampling_params(t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
+                                               seed_ptr, seed_scalar, row, V, T_PER_ROW, K_PER_ROW, P_PER_ROW,
+                                               MP_PER_ROW, SEED_MODE)
+    M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB, "")
     if t == 0.0:  # greedy row: the first index of the max logit
         if c == 0:
             tl.store(out_ptr + row, first_max.to(tl.int64))
     else:
-        k = _row_param(k_ptr, k_scalar, row, tl.int32, K_PER_ROW)
-        p = _row_param(p_ptr, p_scalar, row, tl.float32, P_PER_ROW)
-        minp = _row_param(mp_ptr, mp_scalar, row, tl.float32, MP_PER_ROW)
-        if SEED_MODE == 0:
-            seed = tl.cast(seed_scalar, tl.int64)
-        elif SEED_MODE == 1:
-            seed = tl.load(seed_ptr).to(tl.int64)
-        else:
-            seed = tl.load(seed_ptr + row).to(tl.int64)
         off = tl.load(off_ptr)
-        k = tl.where(k >= V, 0, k)
         cols = c * CHUNK + tl.arange(0, CHUNK)
         inb = cols < V
         z = tl.load(x_ptr + row * stride_x + cols, mask=inb, other=-float("inf")).to(tl.float32) / t
         done_ptr = cnt_ptr + row * 2
         if (k == 0) & (p >= 1.0):
             # only min-p (or nothing): the threshold is known from the row max; race this chunk
-            keep = inb & (tl.exp(z - M) >= minp) & (z > -float("inf"))
-            key = tl.where(keep, _race_key(z, cols, seed, row, off), -float("inf"))
-            j = tl.argmax(key, axis=0)
-            tl.atomic_max(best_ptr + row, _pack(tl.max(key, axis=0), c * CHUNK + j))
+            tl.atomic_max(best_ptr + row, _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK))
             if tl.atomic_add(done_ptr, 1) == P - 1:
                 packed = tl.atomic_max(best_ptr + row, INT64_MIN)
                 tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
         else:
-            # lower bound L on the final threshold from the chunk maxima (module docstring):
-            # the k-th largest chunk max for top-k; the KC-th largest for top-p alone
-            rank = tl.where(k > 0, tl.minimum(k, PB), tl.minimum(P, KC))
-            L = _kth_largest(chunk_max, rank, PB)
-            L = tl.where((k > 0) & (k > P), float("inf"), L)  # no cheap bound: fallback
-            L = tl.where(V <= CAP, -float("inf"), L)           # short row: all of it
-            is_cand = inb & (z >= L) & (z > -float("inf"))
-            n_local = tl.sum(is_cand.to(tl.int32), axis=0)
-            base = tl.atomic_add(done_ptr + 1, n_local)
-            slot = base + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1
-            ok = is_cand & (slot < CAP)
-            tl.store(cand_z_ptr + row * CAP + slot, z, mask=ok)
-            tl.store(cand_i_ptr + row * CAP + slot, cols, mask=ok)
+            L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
+            _append_candidates(z, cols, inb, L, done_ptr + 1, cand_z_ptr, cand_i_ptr, row, CAP)
             if tl.atomic_add(done_ptr, 1) == P - 1:
                 n = tl.atomic_add(done_ptr + 1, 0)
-                i = tl.arange(0, CAP)
-                cz = tl.load(cand_z_ptr + row * CAP + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
-                ci = tl.load(cand_i_ptr + row * CAP + i, mask=i < n, other=0, cache_modifier=".cg")
-                srt = tl.sort(cz, descending=True)
-                e = tl.exp(srt - M)
-                tau_k = tl.max(tl.where(i == k - 1, srt, -float("inf")), axis=0)   # -inf when k == 0
-                ek = tl.where(srt >= tau_k, e, 0.0)
-                mass_k = tl.where(k > 0, tl.sum(ek, axis=0), Z)
-                # top-k: the candidates hold every value >= L <= tau_k. top-p alone: they hold all
-                # the mass above L, so the nucleus is decided iff that mass reaches p
-                complete = tl.where(k > 0, L < float("inf"), (tl.sum(e, axis=0) >= p * Z) | (V <= CAP))
-                complete = complete & (n <= CAP)
-                # mass strictly before each sorted position; the nucleus ends at the last one < p
-                before = tl.cumsum(ek, axis=0) - ek
-                in_p = (before < p * mass_k) & (srt >= tau_k)
-                tau_p = tl.min(tl.where(in_p, srt, float("inf")), axis=0)
-                tau = tl.where(p < 1.0, tau_p, tau_k)
-                keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
-                key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
-                w = tl.argmax(key, axis=0)
-                tok = tl.sum(tl.where(i == w, ci, 0), axis=0)
-                if complete == 0:
-                    tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off,
-                                                    FALLBACK_BLOCK)
+                tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
+                                       seed, off, CAP, FALLBACK_BLOCK)
                 tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+@triton.jit
+def _row_stats_exact(xrow, V, t, P, CHUNK: tl.constexpr, PB: tl.constexpr):
+    """What ``_combine_stats`` gives, computed by one program from the whole row (the one-launch
+    sampler's fallback when it gave up waiting at the grid barrier): M, Z, first argmax, chunk maxima."""
+    idx = tl.arange(0, PB)
+    cm = tl.full([PB], -float("inf"), tl.float32)
+    cs = tl.zeros([PB], tl.float32)
+    ca = tl.zeros([PB], tl.int32)
+    for c2 in range(0, P):
+        cols = c2 * CHUNK + tl.arange(0, CHUNK)
+        z = tl.load(xrow + cols, mask=cols < V, other=-float("inf")).to(tl.float32) / t
+        m2, s2 = _chunk_max_sum(z)
+        cm = tl.where(idx == c2, m2, cm)
+        cs = tl.where(idx == c2, s2, cs)
+        ca = tl.where(idx == c2, c2 * CHUNK + tl.argmax(z, axis=0), ca)
+    M = tl.max(cm, axis=0)
+    Z = tl.sum(tl.where(cm > -float("inf"), cs * tl.exp(cm - M), 0.0), axis=0)
+    first = tl.argmax(cm, axis=0)
+    return M, Z, tl.sum(tl.where(idx == first, ca, 0), axis=0), cm
+
+
+@triton.jit(do_not_specialize=["t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar", "offset_scalar",
+                               "spin_cap"])
+def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr, slot_ptr, out_ptr,
+                              t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
+                              seed_ptr, seed_scalar, offset_ptr, offset_scalar, bar_ptr, cnt_ptr, ncand_ptr,
+                              cand_z_ptr, cand_i_ptr, spin_cap,
+                              T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
+                              MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
+                              CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
+                              FALLBACK_BLOCK: tl.constexpr, LD_POLL: tl.constexpr = False,
+                              PDL: tl.constexpr = False):
+    """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
+    resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
+    meets the others at the grid barrier, and goes on from the chunk it still holds in registers.
+    Finishing a row is the last-to-arrive pattern on the persistent workspace: per row an arrival
+    counter (``cnt``) and a candidate count (``ncand``), both put back to 0 by the row's last program;
+    the min-p race combines per-program slots (``slot``) instead of an ``atomic_max`` on one.
+    The RNG offset is read by every program before the barrier and advanced by program (0, 0) after
+    it. A program that gives up waiting recomputes its row's statistics from the whole row (exact,
+    counted in ``bar_ptr[1]``); under Triton's interpreter, where programs run one after another,
+    program (0, 0) then advances the offset before the others read it: still exact in distribution.
+    """
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    t, k, p, minp, seed = _row_sampling_params(t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
+                                               seed_ptr, seed_scalar, row, V, T_PER_ROW, K_PER_ROW, P_PER_ROW,
+                                               MP_PER_ROW, SEED_MODE)
+    if OFFSET_TENSOR:
+        off = tl.load(offset_ptr)
+    else:
+        off = tl.cast(offset_scalar, tl.int64)
+    t1 = tl.where(t == 0.0, 1.0, t)  # greedy rows: z = x
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    inb = cols < V
+    xrow = x_ptr + row * stride_x
+    z = tl.load(xrow + cols, mask=inb, other=-float("inf")).to(tl.float32) / t1
+    m, s = _chunk_max_sum(z)
+    tl.store(m_ptr + row * P + c, m)
+    tl.store(s_ptr + row * P + c, s)
+    tl.store(a_ptr + row * P + c, c * CHUNK + tl.argmax(z, axis=0))
+    tl.debug_barrier()  # every thread's stores precede the release below
+    first_prog = (row == 0) & (c == 0)
+    add = tl.where(first_prog, BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
+    v = tl.atomic_add(bar_ptr, add, sem="acq_rel", scope="gpu")
+    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)
+    tl.debug_barrier()
+    M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB, ".cg")
+    if gave_up:  # the whole row from HBM (slow, exact, counted)
+        M, Z, first_max, chunk_max = _row_stats_exact(xrow, V, t1, P, CHUNK, PB)
+        tl.atomic_add(bar_ptr + 1, 1)
+    if OFFSET_TENSOR:
+        if first_prog:  # every program read it before arriving at the barrier
+            tl.store(offset_ptr, off + 1)
+    if t == 0.0:  # greedy row: the first index of the max logit
+        if c == 0:
+            tl.store(out_ptr + row, first_max.to(tl.int64))
+    elif (k == 0) & (p >= 1.0):
+        tl.store(slot_ptr + row * P + c, _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK))
+        tl.debug_barrier()  # the slot store precedes the release below
+        if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:
+            tl.debug_barrier()
+            i = tl.arange(0, PB)
+            packed = tl.max(tl.load(slot_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"),
+                            axis=0)
+            tl.store(cnt_ptr + row, 0)
+            tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
+    else:
+        L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
+        _append_candidates(z, cols, inb, L, ncand_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP)
+        tl.debug_barrier()  # the candidate stores precede the release below
+        if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:
+            tl.debug_barrier()
+            n = tl.atomic_add(ncand_ptr + row, 0)
+            tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
+                                   seed, off, CAP, FALLBACK_BLOCK)
+            tl.store(cnt_ptr + row, 0)
+            tl.store(ncand_ptr + row, 0)
+            tl.store(out_ptr + row, tok.to(tl.int64))
 
 
 # ----------------------------------------------------------------------------- launch helpers
@@ -714,28 +857,28 @@ def _stats(x2, t_ptr, t_scalar, t_per_row, chunk, P, sample_state=None):
 
 # ----------------------------------------------------------------------------- persistent workspace
 # One int64 buffer per device: [grid barrier counter, barrier give-ups, count[cap] (0), row
-# barrier[cap] (0)]. Every launch that uses it leaves it in this state (the barrier counters: a
-# multiple of BARRIER_GEN). Never freed: CUDA graphs captured earlier keep pointing at it, so an
+# barrier[cap] (0), candidate count[cap] (0)]. Every launch that uses it leaves it in this state (the
+# barrier counters: a multiple of BARRIER_GEN). Never freed: CUDA graphs captured earlier keep pointing at it, so an
 # outgrown buffer is parked in _OUTGROWN rather than released.
 _WORKSPACES: dict[tuple[str, int | None], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
 
 
 def _fresh_workspace(device: torch.device, cap: int) -> torch.Tensor:
-    return torch.zeros(2 + 2 * cap, dtype=torch.int64, device=device)
+    return torch.zeros(2 + 3 * cap, dtype=torch.int64, device=device)
 
 
 def _workspace_cap(ws: torch.Tensor) -> int:
-    return (ws.numel() - 2) // 2
+    return (ws.numel() - 2) // 3
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grid barrier [2], arrival count [rows], row barrier [rows]) views of the device's workspace,
-    in their initial state.
+def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grid barrier [2], arrival count [rows], row barrier [rows], candidate count [rows]) views of
+    the device's workspace, in their initial state.
 
     First needed (or needed larger) during CUDA-graph capture: the buffer is a temporary of that
     capture, initialised by a fill that is captured too (it reruns before the kernel on every replay,
@@ -757,7 +900,7 @@ def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Ten
                 _OUTGROWN.append(ws)
             ws = _WORKSPACES[key] = fresh
     cap = _workspace_cap(ws)
-    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows]
+    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows], ws[2 + 2 * cap:2 + 2 * cap + rows]
 
 
 def barrier_give_ups(device: torch.device) -> int:
@@ -814,7 +957,7 @@ def softmax_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature: float, 
     """The grid-barrier launch; the caller guarantees co-residency (_one_launch_split)."""
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
-    barrier, _, _ = _workspace(x2.device, 0)
+    barrier, _, _, _ = _workspace(x2.device, 0)
     _softmax_one_launch_kernel[(B, P)](x2, out, x2.stride(0), out.stride(0), V, P, B * P, part[0], part[1],
                                        barrier, 1.0 / temperature, spin_cap,
                                        LOG=log, CHUNK=chunk, PB=max(2, triton.next_power_of_2(P)),
@@ -893,7 +1036,7 @@ def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: 
     """
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
-    barrier, _, row_barrier = _workspace(x2.device, B)
+    barrier, _, row_barrier, _ = _workspace(x2.device, B)
     if cfg.lag:
         return _softmax_lagged_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
                                                 barrier, row_barrier, 1.0 / temperature, spin_cap,
@@ -963,7 +1106,7 @@ def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
                                  **pdl_options(x2.device))
         return
     chunk, P, PB = _split(V)
-    _, count, _ = _workspace(x2.device, B)
+    _, count, _, _ = _workspace(x2.device, B)
     part = torch.empty((B, P), dtype=torch.int64, device=x2.device)
     # H200 [1, 128256] fp32, chunk 1024, PDL on (bench/results/h200/sampling_latency_probe*.json):
     # 2.56 us with 4 warps; the previous kernel (atomic_max into one row slot) 3.81 us with 4 warps,
@@ -979,6 +1122,19 @@ def _param(v, dtype_scalar):
     return None, dtype_scalar(v), False
 
 
+def _sampling_args(temperature, top_k, top_p, min_p, seed, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """The sample kernels' (pointer-or-dummy, scalar) argument pairs for temperature, top_k, top_p,
+    min_p and seed, and their PER_ROW / SEED_MODE constexprs."""
+    params = [_param(v, kind) for v, kind in ((temperature, float), (top_k, int), (top_p, float), (min_p, float))]
+    if isinstance(seed, torch.Tensor):
+        seed_mode, seed_ptr, seed_s = (1 if seed.numel() == 1 else 2), seed.view(-1), 0
+    else:
+        seed_mode, seed_ptr, seed_s = 0, dummy, int(seed)
+    args = tuple(v for ptr, scalar, per_row in params for v in (ptr if per_row else dummy, scalar)) + (seed_ptr, seed_s)
+    flags = dict(zip(("T_PER_ROW", "K_PER_ROW", "P_PER_ROW", "MP_PER_ROW"), (per_row for _, _, per_row in params)))
+    return args, dict(flags, SEED_MODE=seed_mode)
+
+
 def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset) -> None:
     """One token per row into int64 ``out``; parameters are Python scalars or per-row tensors (validated).
 
@@ -989,6 +1145,9 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
     chunk, P, PB = _split(V)
     cap = min(CAP, max(16, triton.next_power_of_2(V)))  # a short row sorts only itself
     dev = x2.device
+    if V > ROW_BLOCK_MAX and _one_launch_enabled(x2) and B * P <= _device_sms(x2):
+        sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset)
+        return
     # launch 1 zeroes these for launch 2 (no memset launch): per row [done programs, candidates],
     # the best packed race key per row, and the RNG offset this call uses
     cnt = torch.empty((B, 2), dtype=torch.int32, device=dev)
@@ -997,23 +1156,35 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
     cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
     cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
     has_off = isinstance(offset, torch.Tensor)
-    t_ptr, t_s, t_row = _param(temperature, float)
-    k_ptr, k_s, k_row = _param(top_k, int)
-    p_ptr, p_s, p_row = _param(top_p, float)
-    mp_ptr, mp_s, mp_row = _param(min_p, float)
-    dummy = state
-    m, s, a = _stats(x2, t_ptr if t_row else dummy, t_s, t_row, chunk, P,
-                     sample_state=(cnt, best, offset.view(-1) if has_off else dummy, 0 if has_off else int(offset or 0),
+    args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, state)
+    m, s, a = _stats(x2, args[0], args[1], flags["T_PER_ROW"], chunk, P,
+                     sample_state=(cnt, best, offset.view(-1) if has_off else state, 0 if has_off else int(offset or 0),
                                    off_out, has_off))
-    if isinstance(seed, torch.Tensor):
-        seed_mode, seed_ptr, seed_s = (1 if seed.numel() == 1 else 2), seed.view(-1), 0
-    else:
-        seed_mode, seed_ptr, seed_s = 0, dummy, int(seed)
     _sample_kernel[(B, P)](
-        x2, x2.stride(0), V, P, m, s, a, out,
-        t_ptr if t_row else dummy, t_s, k_ptr if k_row else dummy, k_s,
-        p_ptr if p_row else dummy, p_s, mp_ptr if mp_row else dummy, mp_s,
-        seed_ptr, seed_s, off_out, cnt, best, cand_z, cand_i,
-        T_PER_ROW=t_row, K_PER_ROW=k_row, P_PER_ROW=p_row, MP_PER_ROW=mp_row, SEED_MODE=seed_mode,
+        x2, x2.stride(0), V, P, m, s, a, out, *args, off_out, cnt, best, cand_z, cand_i, **flags,
         CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, num_warps=_warps(chunk) * 2,
         **pdl_options(x2.device))
+
+
+def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset,
+                      spin_cap: int = SPIN_CAP) -> None:
+    """``sample`` as one grid-barrier launch (``_sample_one_launch_kernel``); the caller guarantees that
+    all B * P programs are resident at once (``sample`` takes it for B * P <= SM count on a GPU, e.g.
+    one row of 128256 as 126 programs). Same chunks as the two launches, so the same candidate bound."""
+    B, V = x2.shape
+    chunk, P, PB = _split(V)
+    cap = min(CAP, max(16, triton.next_power_of_2(V)))
+    dev = x2.device
+    part = torch.empty((3, B, P), dtype=torch.float32, device=dev)
+    slots = torch.empty((B, P), dtype=torch.int64, device=dev)
+    cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
+    cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
+    barrier, count, _, ncand = _workspace(dev, B)
+    has_off = isinstance(offset, torch.Tensor)
+    args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
+    _sample_one_launch_kernel[(B, P)](
+        x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
+        offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0),
+        barrier, count, ncand, cand_z, cand_i, spin_cap, **flags,
+        OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024,
+        LD_POLL=dev.type == "cuda", num_warps=_warps(chunk) * 2, **pdl_options(dev))

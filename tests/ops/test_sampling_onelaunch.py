@@ -14,6 +14,7 @@ import torch
 import ember
 from ember import _dispatch
 from ember.bench.sampling import WAVE_CONFIGS
+from ember.ops import sampling as S
 from tests.helpers import poisoned
 
 SOFTMAX_TOL = dict(atol=1e-7, rtol=1e-5)
@@ -29,10 +30,11 @@ def _k():
 
 
 def _assert_workspace_clean(ws):
-    cap = (ws.numel() - 2) // 2
+    cap = (ws.numel() - 2) // 3
     assert int(ws[0]) % GEN == 0                                # grid barrier counter between launches
-    assert bool((ws[2:2 + cap] == 0).all())                     # argmax arrival counters
-    assert bool((ws[2 + cap:] % GEN == 0).all())                # row barriers (many-row softmax)
+    assert bool((ws[2:2 + cap] == 0).all())                     # arrival counters (argmax, sample)
+    assert bool((ws[2 + cap:2 + 2 * cap] % GEN == 0).all())     # row barriers (many-row softmax)
+    assert bool((ws[2 + 2 * cap:] == 0).all())                  # candidate counts (one-launch sample)
 
 
 # ------------------------------------------------------------------ argmax, interpreter
@@ -91,7 +93,7 @@ def test_softmax_one_launch_kernel_interpreter(interpreter, dtype):
     P = math.ceil(V / chunk)
     base = (torch.randn(B, V + 40) * 4).to(dtype)
     x = base[:, 20:20 + V]                             # rows not contiguous with each other
-    barrier, _, _ = k._workspace(x.device, 0)
+    barrier, _, _, _ = k._workspace(x.device, 0)
     start, give_ups = int(barrier[0]), int(barrier[1])
     for call, log in enumerate((False, True, False)):
         out = poisoned((B, V), torch.float32, "cpu")
@@ -134,7 +136,7 @@ def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch, lag):
     base = (torch.randn(B, V + 24) * 4).to(dtype)
     x = base[:, 8:8 + V]                               # rows not contiguous with each other
     x[3, 4400:] = -math.inf                            # -inf tail inside the partial chunk
-    barrier, _, row_bar = k._workspace(x.device, B)
+    barrier, _, row_bar, _ = k._workspace(x.device, B)
     start, give_ups = row_bar.clone(), int(barrier[1])
     for call, (log, T) in enumerate(((False, 0.7), (True, 1.0), (False, 1.3))):
         out = poisoned((B, V), torch.float32, "cpu")
@@ -422,3 +424,80 @@ def test_gpu_softmax_waves_env_switch_two_launch(cuda, monkeypatch):
     assert len(calls) == 1
     torch.testing.assert_close(one, two, **SOFTMAX_TOL)
     torch.testing.assert_close(one.double(), torch.softmax(x.double(), -1), **SOFTMAX_TOL)
+
+
+# ------------------------------------------------------------------ one-launch sampler
+SAMPLE_MIXES = [dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.0),     # the bench row: candidates
+                dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1),      # min-p race: per-program slots
+                dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0),      # greedy
+                dict(temperature=1.2, top_k=0, top_p=0.3, min_p=0.0),      # top-p alone
+                dict(temperature=0.9, top_k=200, top_p=1.0, min_p=0.0)]    # k > P: the bisection fallback
+
+
+@pytest.mark.parametrize("mix", SAMPLE_MIXES)
+def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, mix):
+    """With an int offset both paths draw the same Philox numbers: the same tokens. Programs run in
+    turn here, so all but the last of the grid give up at the barrier and recompute the row."""
+    k = _k()
+    x = torch.randn(2, 20000) * 3                     # 20 programs a row
+    x[1, :19000] = -math.inf                          # most of a row masked
+    two = poisoned((2,), torch.int64, "cpu")
+    k.sample(x, two, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 3)
+    barrier, count, _, ncand = k._workspace(x.device, 2)
+    give_ups = int(barrier[1])
+    one = poisoned((2,), torch.int64, "cpu")
+    k.sample_one_launch(x, one, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 3, spin_cap=2)
+    assert torch.equal(one, two)
+    probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
+    assert bool((probs[torch.arange(2), one] > 0).all())
+    assert int(barrier[1]) == give_ups + 2 * 20 - 1 and int(barrier[0]) % GEN == 0
+    assert bool((count == 0).all()) and bool((ncand == 0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", SAMPLE_MIXES)
+@pytest.mark.parametrize("V", [20000, 128256, 151936])
+def test_gpu_sample_one_launch_equals_two_launches(cuda, monkeypatch, mix, V):
+    """The one-launch sampler (a row's P programs <= SM count) draws exactly the two launches' token
+    for the same seed and offset (the two-launch path is the chi-square-tested one)."""
+    k = _k()
+    calls = _count_wave_launches(monkeypatch, k, "sample_one_launch")
+    seed = torch.tensor([11], device=cuda)
+    for i in range(40):
+        x = torch.randn(1, V, device=cuda) * (1 + i % 4)
+        if i % 5 == 0:
+            x[0, : V // 2] = -math.inf
+        off_a = torch.full((1,), i, dtype=torch.int64, device=cuda)
+        off_b = off_a.clone()
+        one = ember.ops.sample(x, **mix, seed=seed, offset=off_a)
+        monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
+        two = ember.ops.sample(x, **mix, seed=seed, offset=off_b)
+        monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
+        assert torch.equal(one, two), (i, one, two)
+        assert off_a.item() == off_b.item() == i + 1
+    assert len(calls) == 40
+    torch.cuda.synchronize()
+    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    assert k.barrier_give_ups(x.device) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_sample_one_launch_graph_replays(cuda, monkeypatch):
+    k = _k()
+    calls = _count_wave_launches(monkeypatch, k, "sample_one_launch")
+    x = torch.randn(1, 128256, device=cuda) * 3
+    seed = torch.tensor([42], device=cuda)
+    off = torch.zeros(1, dtype=torch.int64, device=cuda)
+    ember.ops.sample(x, temperature=0.7, top_k=50, top_p=0.9, seed=seed, offset=off)   # compile outside
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tok = ember.ops.sample(x, temperature=0.7, top_k=50, top_p=0.9, seed=seed, offset=off)
+    probs = S.sampling_probs_reference(x, 0.7, 50, 0.9)[0]
+    seen = set()
+    for _ in range(200):
+        g.replay()
+        seen.add(int(tok))
+        assert probs[int(tok)] > 0
+    assert off.item() == 201 and len(seen) > 5 and len(calls) == 2
+    torch.cuda.synchronize()
+    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])

@@ -173,6 +173,25 @@ def test_kernels_match_reference_interpreter(interpreter, poisoned_buffers, dtyp
     assert_close(moe_ops.moe(x, logits, wgu, wd, K), expected, dtype)  # routing fused into dispatch
 
 
+def test_long_prompt_runs_in_token_chunks_interpreter(interpreter, poisoned_buffers, monkeypatch):
+    """Past pair_rows_chunk tokens the grouped path runs chunk by chunk (its per-pair rows stay under
+    PAIR_ROWS_BYTES); a short last chunk takes the decode grouping. Same result as one pass."""
+    from ember.kernels import moe as kmod
+    assert kmod.pair_rows_chunk(8, 2048) == 16384 and kmod.pair_rows_chunk(8, 4096) == 8192
+    monkeypatch.setattr(kmod, "PAIR_ROWS_BYTES", 1)     # the floor: 17 tokens a chunk
+    assert kmod.pair_rows_chunk(K, H) == kmod.DECODE_MAX_TOKENS + 1
+    calls = []
+    real = kmod._experts_grouped
+    monkeypatch.setattr(kmod, "_experts_grouped", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    T = 40
+    x = torch.randn(T, H).bfloat16()
+    wgu, wd, _, _ = make_weights(torch.bfloat16)
+    tw, tid = ember.ops.moe_route(torch.randn(T, E), K)
+    out = ember.ops.moe_experts(x, wgu, wd, tw, tid)
+    assert calls == [17, 17, 6]
+    assert_close(out, moe_ops.moe_experts_reference(x, wgu, wd, tw, tid), torch.bfloat16)
+
+
 @pytest.mark.parametrize("T", [1, 3, 17])
 def test_kernels_fp8_row_scale_interpreter(interpreter, poisoned_buffers, T):
     x = torch.randn(T, H).bfloat16()

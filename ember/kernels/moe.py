@@ -902,7 +902,7 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out):
     return out
 
 
-def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k):
+def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None):
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
     I = two_i // 2
@@ -935,7 +935,8 @@ def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k):
     _down_grouped_kernel[(n_groups, triton.cdiv(H, cfg["BLOCK_N"]))](
         h, w_down, ds_t, ids, tw, sorted_pairs, block_expert, pair_out, T, H, I, *w_down.stride(),
         dse, dsn, dsk, SCALE=mode, **common)
-    out = torch.empty((T, H), dtype=x.dtype, device=dev)
+    if out is None:
+        out = torch.empty((T, H), dtype=x.dtype, device=dev)
     block = min(1024, triton.next_power_of_2(H))
     _combine_pairs_kernel[(T, triton.cdiv(H, block))](pair_out, out, H, TOP_K=top_k, BLOCK=block, num_warps=4)
     return out
@@ -966,10 +967,9 @@ def experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_sc
     if T <= rows:
         return _experts_grouped(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, top_k)
     out = torch.empty_like(x)
-    for t0 in range(0, T, rows):
+    for t0 in range(0, T, rows):  # each chunk writes its rows of out (contiguous) directly
         part = slice(t0, t0 + rows)
-        out[part] = _experts_grouped(x[part], w_gate_up, w_down, gate_up_scale, down_scale, ids[part], tw[part],
-                                     top_k)
+        _experts_grouped(x[part], w_gate_up, w_down, gate_up_scale, down_scale, ids[part], tw[part], top_k, out[part])
     return out
 
 

@@ -25,6 +25,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ember.kernels import gemv
 from ember.kernels._common import pdl_options, pdl_start, round_to
@@ -33,6 +34,8 @@ from ember.kernels._common import pdl_options, pdl_start, round_to
 FP8_MAX = tl.constexpr(448.0)
 AMAX_EPS = tl.constexpr(1e-12)
 SCALE_BLOCK = 128
+# fp8 MMA promotion interval (``_fp8_dot``); 0 leaves Triton's default
+FP8_MAX_IMPRECISE = 0
 
 
 # ============================================================================= quantisation
@@ -57,28 +60,66 @@ def _to_e4m3_bits(x):
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_sr, stride_sg, GROUP,
-                     CHUNK: tl.constexpr):
-    """One program per (row, column group); two passes over the group: amax, then quantise."""
+                     CHUNK: tl.constexpr, ONE_PASS: tl.constexpr, NATIVE_CVT: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+    """One program per (row, column group): amax, then quantise.
+
+    ONE_PASS (the group fits one CHUNK) keeps the group in registers between the two steps; longer
+    groups stream it twice. H200, 16 x 8192 bf16 rows (a decode batch), graph-timed
+    (bench/results/h200/fp8_probe*.json): 4.3 us with two passes of 4096-wide chunks and the bit-level
+    rounding, 3.1 us one pass, 2.3 us one pass with the hardware cast (NATIVE_CVT).
+    """
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     start = g * GROUP
     end = tl.minimum(start + GROUP, K)
     offs = tl.arange(0, CHUNK)
-    amax = tl.zeros([CHUNK], dtype=tl.float32)
-    for c in range(start, end, CHUNK):
-        cols = c + offs
+    if ONE_PASS:
+        cols = start + offs
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
-        ax = tl.abs(x)
-        ax = tl.where(ax == float("inf"), 0.0, ax)  # inf saturates, it does not set the scale
-        amax = tl.maximum(amax, tl.where(x == x, ax, 0.0))  # nor does NaN
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_EPS), FP8_MAX)
-    tl.store(s_ptr + row * stride_sr + g * stride_sg, scale)
-    for c in range(start, end, CHUNK):
-        cols = c + offs
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
-        y = tl.math.div_rn(x, scale)
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
-        tl.store(q_ptr + row * stride_q + cols, _to_e4m3_bits(y), mask=cols < end)
+        scale = _group_scale(_finite_abs(x))
+        tl.store(s_ptr + row * stride_sr + g * stride_sg, scale)
+        tl.store(q_ptr + row * stride_q + cols, _quantized_bits(x, scale, NATIVE_CVT), mask=cols < end)
+    else:
+        amax = tl.zeros([CHUNK], dtype=tl.float32)
+        for c in range(start, end, CHUNK):
+            cols = c + offs
+            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, _finite_abs(x))
+        scale = _group_scale(amax)
+        tl.store(s_ptr + row * stride_sr + g * stride_sg, scale)
+        for c in range(start, end, CHUNK):
+            cols = c + offs
+            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * stride_q + cols, _quantized_bits(x, scale, NATIVE_CVT), mask=cols < end)
+
+
+@triton.jit
+def _finite_abs(x):
+    """|x| with inf and NaN as 0: inf saturates and NaN stays NaN, neither sets the scale."""
+    ax = tl.abs(x)
+    return tl.where((x == x) & (ax != float("inf")), ax, 0.0)
+
+
+@triton.jit
+def _group_scale(amax):
+    return tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_EPS), FP8_MAX)
+
+
+@triton.jit
+def _quantized_bits(x, scale, NATIVE_CVT: tl.constexpr):
+    """e4m3 bytes of x / scale, saturated. NATIVE_CVT (GPU): the hardware's round-to-nearest-even
+    cast, which gives the same bytes as the bit-level rounding the interpreter needs."""
+    y = tl.math.div_rn(x, scale)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+    if NATIVE_CVT:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return _to_e4m3_bits(y)
+
+
+# one-pass groups up to this many columns (16 warps hold 16384 fp32 values at 32 a thread)
+ONE_PASS_MAX = 16384
 
 
 def quantize(x: torch.Tensor, granularity: str, block_size) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,13 +134,21 @@ def quantize(x: torch.Tensor, granularity: str, block_size) -> tuple[torch.Tenso
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((R, n_groups), dtype=torch.float32, device=x.device)
     if R and K:
-        chunk = min(triton.next_power_of_2(group), 4096)
+        one_pass = group <= ONE_PASS_MAX
+        chunk = triton.next_power_of_2(group) if one_pass else 4096
         _quantize_kernel[(R, n_groups)](x2, q.view(torch.uint8).view(R, K), scale, K, x2.stride(0), K,
-                                        scale.stride(0), scale.stride(1), group, CHUNK=chunk,
-                                        num_warps=max(1, min(8, chunk // 256)))
+                                        scale.stride(0), scale.stride(1), group, CHUNK=chunk, ONE_PASS=one_pass,
+                                        NATIVE_CVT=x.device.type == "cuda", num_warps=_quantize_warps(chunk), **pdl_options(x.device))
     if granularity == "row":
         return q, scale.view(x.shape[:-1] + (1,))
     return q, scale
+
+
+def _quantize_warps(chunk: int) -> int:
+    override = os.environ.get("EMBER_FP8_QUANT_WARPS")  # tuning sweeps
+    if override:
+        return int(override)
+    return max(1, min(16, chunk // 512))
 
 
 # ============================================================================= scaled matmul
@@ -110,19 +159,10 @@ def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
                       stride_sam, stride_sak, stride_sbk, stride_sbn,
                       A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr, SB_N_GROUP: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FP8_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                      IEEE: tl.constexpr,
+                      IEEE: tl.constexpr, MAX_IMPRECISE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # ---- tile coordinates (grouped order: GROUP_M row tiles share each column tile in L2)
-    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -165,7 +205,7 @@ def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
             else:
                 # accumulate inside the dot: a separate `acc += part` kept Triton from pipelining
                 # the loads (one shared-memory stage instead of num_stages, seen compiling for sm_90)
-                acc = tl.dot(a, b, acc)
+                acc = _fp8_dot(a, b, acc, MAX_IMPRECISE)
         if K_BLOCKED:
             # BLOCK_K == 128 and k0 is a multiple of 128: one scale block along K per step
             kb = k0 // BLOCK_K
@@ -178,20 +218,81 @@ def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
         elif BLOCK_M == 1:
             acc += part
     if not K_BLOCKED:
-        sb = tl.load(sb_ptr + (offs_n // SB_N_GROUP) * stride_sbn, mask=mask_n, other=0.0)
-        acc = acc * sb[None, :]
-        if A_SCALED:
-            sa = tl.load(sa_ptr + offs_m64 * stride_sam, mask=mask_m, other=0.0)
-            acc = acc * sa[:, None]
-    mask = mask_m[:, None] & mask_n[None, :]
+        acc = _apply_scales(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, stride_sam, stride_sbn, SB_N_GROUP, A_SCALED)
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m64[:, None] * stride_om + offs_n64[None, :] * stride_on,
-                 round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+        _store_tile(acc, offs_m, offs_n, M, N, bias_ptr, out_ptr, stride_om, stride_on, HAS_BIAS)
     else:
         ws = ws_ptr + pid_k.to(tl.int64) * M * N
-        tl.store(ws + offs_m64[:, None] * N + offs_n64[None, :], acc, mask=mask)
+        tl.store(ws + offs_m64[:, None] * N + offs_n64[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _scaled_mm_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K,
+                          stride_om, stride_on, stride_sam, stride_sbn,
+                          HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, MAX_IMPRECISE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr):
+    """Many rows, fp8 x fp8, tensor or row scales, both operands K-contiguous: tiles arrive by TMA.
+
+    ``a_desc`` [M, K] and ``b_desc`` [N, K] (b transposed) are tensor descriptors; TMA zero-fills
+    the ragged edges, so the loop has no masks. H200, M=4096, N=K=8192 rowwise (bench/results/h200/
+    fp8_probe2.json, fp8_probe3.json): 385-388 us with 128 x 256 x 128 tiles, 8 warps, 3 stages,
+    against 461-476 us for the same tiles loaded through pointers (cp.async) and 448 us for
+    torch._scaled_mm.
+    """
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        b = b_desc.load([pid_n * BLOCK_N, k0]).T
+        if DOT_F32:  # interpreter (CPU CI): exact fp32 products
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = _fp8_dot(a, b, acc, MAX_IMPRECISE)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _apply_scales(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, stride_sam, stride_sbn, 1, True)
+    _store_tile(acc, offs_m, offs_n, M, N, bias_ptr, out_ptr, stride_om, stride_on, HAS_BIAS)
+
+
+@triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid`` in grouped order: GROUP_M row tiles share each
+    column tile while it is in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
+
+
+@triton.jit
+def _fp8_dot(a, b, acc, MAX_IMPRECISE: tl.constexpr):
+    """acc + a @ b on the tensor cores. MAX_IMPRECISE > 0: fp8 MMAs sum at most that many K
+    products in Hopper's reduced-precision accumulator before promoting to fp32 (0: Triton's default)."""
+    if MAX_IMPRECISE > 0:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=MAX_IMPRECISE)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _apply_scales(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, stride_sam, stride_sbn, SB_N_GROUP: tl.constexpr,
+                  A_SCALED: tl.constexpr):
+    """acc [BM, BN] times b's scale per column (group) and, with A_SCALED, a's scale per row."""
+    acc = acc * tl.load(sb_ptr + (offs_n // SB_N_GROUP) * stride_sbn, mask=offs_n < N, other=0.0)[None, :]
+    if A_SCALED:
+        acc = acc * tl.load(sa_ptr + offs_m.to(tl.int64) * stride_sam, mask=offs_m < M, other=0.0)[:, None]
+    return acc
+
+
+@triton.jit
+def _store_tile(acc, offs_m, offs_n, M, N, bias_ptr, out_ptr, stride_om, stride_on, HAS_BIAS: tl.constexpr):
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n.to(tl.int64)[None, :] * stride_on,
+             round_to(acc, out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -202,19 +303,22 @@ def _skinny_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
                       A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr, SB_N_GROUP: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      FP8_DOT: tl.constexpr = False, MAX_IMPRECISE: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Few rows (M <= 16), swapped operands: out^T [BLOCK_N, BLOCK_M] = b^T tile @ a^T tile.
 
     The weight tile [BLOCK_N, BLOCK_K] is the MMA's first operand, so BLOCK_N = 64 fills Hopper's
     64-row warpgroup MMA and the 16 activation rows are its narrow second operand: a weight tile
     passes through the tensor cores once, upcast to bf16 in registers (e4m3 -> bf16 is exact, so
     fp8 x fp8 products and their fp32 sums are exact too; fp8 MMAs accumulate with less precision,
-    measured in tests/ops/test_fp8.py). The loop is a plain pipelined stream of weight tiles
-    (``num_stages`` in flight); scales are applied after the K loop, or per 128-step for blocks.
+    measured in tests/ops/test_fp8.py). With fp8 activations and FP8_DOT both operands go to the
+    MMA as they are: no upcast in registers, which is what held the bf16 path to ~2.3 TB/s (H200,
+    M=16, 8192^2: 18.8 us, against 28-30 us upcast; bench/results/h200/fp8_probe*.json).
+    The loop is a plain pipelined stream of weight tiles (``num_stages`` in flight); scales are
+    applied after the K loop, or per 128-step for blocks.
     """
-    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pdl_start(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -234,6 +338,8 @@ def _skinny_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
                     mask=mask_k[:, None] & mask_m[None, :], other=0.0)  # [BK, BM]
         if DOT_F32:  # interpreter (CPU CI): bf16 dot operands are multiplied wrongly there; fp32 is exact
             w, x = w.to(tl.float32), x.to(tl.float32)
+        elif FP8_DOT:
+            pass
         elif A_SCALED:  # fp8 activations: both operands to bf16, exactly
             w, x = w.to(tl.bfloat16), x.to(tl.bfloat16)
         else:
@@ -252,7 +358,7 @@ def _skinny_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
         else:
             # accumulate inside the dot: a separate `acc += part` leaves the loads unpipelined (sm_90
             # TTGIR: plain ld.global + st.shared each step, no cp.async; 30 us at 8192^2, M=16, H200)
-            acc = tl.dot(w, x, acc)
+            acc = _fp8_dot(w, x, acc, MAX_IMPRECISE)
     if not K_BLOCKED:
         acc = acc * tl.load(sb_ptr + (offs_n // SB_N_GROUP) * stride_sbn, mask=mask_n, other=0.0)[:, None]
         if A_SCALED:
@@ -299,17 +405,29 @@ def _gemv_config(N: int, K: int, k_blocked: bool) -> dict:
     return gemv.gemv_config(N, K, 1, k_blocked)
 
 
-def _skinny_config(N: int, K: int, k_blocked: bool, device: torch.device) -> dict:
+def _skinny_config(N: int, K: int, k_blocked: bool, device: torch.device, fp8_dot: bool = False) -> dict:
     """2..16 rows, K-contiguous fp8 b (Fp8Linear's ``w.t()``): the swapped-operand MMA kernel.
 
-    64 weight rows a program (one Hopper warpgroup MMA), 128-wide K steps, K split up to 4 ways
-    for >= 2 programs an SM. H200, M=16, weight-only, graph-timed (bench/results/h200/fp8_skinny_sweep.json):
-    8192^2 29.3 us (split 4, 3 stages; the previous 16-row dot kernel 27.9-29.7, bf16 F.linear 33.8);
-    4096^2 11.5 us (split 4; previous 13.4, bf16 13.6). Far from the 16.2 us floor at 8192^2: the weight
-    tile goes global -> shared (cp.async) -> registers -> bf16 -> MMA, and Triton's mixed-input
-    warpgroup MMA path streams ~2.3 TB/s here.
+    64 weight rows a program (one Hopper warpgroup MMA). H200, M=16, graph-timed:
+    * weight-only (bf16 activations; bench/results/h200/fp8_skinny_sweep.json): 128-wide K steps, K
+      split up to 4 ways for >= 2 programs an SM: 8192^2 29.3 us (bf16 F.linear 33.8), 4096^2 11.5 us
+      (bf16 13.6). Far from the 16.2 us floor at 8192^2: the weight tile goes global -> shared ->
+      registers -> bf16 -> MMA, and Triton's mixed-input warpgroup MMA path streams ~2.3 TB/s here.
+    * fp8 activations on sm_89+ (``fp8_dot``; fp8_probe2..4.json): no upcast, 256-wide K steps, 4
+      stages, split only until there is about one program an SM: 8192^2 18.8 us unsplit (512-wide
+      steps 18.8-18.9, 128-wide 23.4, split 2 20.8 with its reduce launch, 3 stages 20.5). Asking L2
+      for each program's first weight lines before the PDL wait saved ~0.4 us behind the quantiser
+      and cost ~0.9 us otherwise, so it is not done.
     """
-    bn, bk = 64, 128
+    bn = 64
+    if fp8_dot and not k_blocked:
+        bk = 256 if K >= 1024 else 128
+        tiles_n = -(-N // bn)
+        split = 1
+        while tiles_n * split < 0.9 * _sm_count(device) and split < 4 and K // (split * 2) >= 2 * bk:
+            split *= 2
+        return dict(SKINNY=True, FP8_DOT=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4)
+    bk = 128
     tiles_n = -(-N // bn)
     split = 1
     while tiles_n * split < 2 * _sm_count(device) and split < 4 and K // (split * 2) >= 2 * bk:
@@ -317,23 +435,41 @@ def _skinny_config(N: int, K: int, k_blocked: bool, device: torch.device) -> dic
     return dict(SKINNY=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
+def _tma_eligible(a: torch.Tensor, b: torch.Tensor, kind_a: str | None, kind_b: str) -> bool:
+    """The TMA tile kernel takes fp8 x fp8 with tensor / row scales, both operands K-contiguous with
+    16-byte aligned rows (a tensor descriptor's rules), on Hopper or later (or the interpreter)."""
+    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (9, 0):
+        return False
+    return (a.dtype == torch.float8_e4m3fn and kind_a in ("tensor", "row") and kind_b in ("tensor", "row")
+            and a.stride(1) == 1 and b.stride(0) == 1 and a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0
+            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+
+
 def _config(M: int, N: int, K: int, k_blocked: bool, device: torch.device,
-            b_k_contiguous: bool = False) -> dict:
-    """Tile sizes by regime (measured on the H200; see ember/bench/fp8.py)."""
+            b_k_contiguous: bool = False, fp8_dot: bool = False, tma: bool = False) -> dict:
+    """Tile sizes by regime (measured on the H200; see ember/bench/fp8.py).
+
+    ``fp8_dot``: fp8 activations whose MMA can take fp8 operands; ``tma``: the operands suit
+    ``_scaled_mm_tma_kernel`` (``_tma_eligible``).
+    """
     override = os.environ.get("EMBER_FP8_CONFIG")
     if override and override.startswith("gemv,"):  # "gemv,BN,CHUNKS,KW,warps"
         bn, c, kw, w = (int(v) for v in override.split(",")[1:])
         return dict(GEMV=True, BLOCK_N=bn, CHUNKS=c, KW=kw, num_warps=w)
-    if override and override.startswith("skinny,"):  # "skinny,BN,BK,SPLIT,warps,stages"
-        bn, bk, sk, w, st = (int(v) for v in override.split(",")[1:])
-        return dict(SKINNY=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
+    if override and override.startswith("skinny,"):  # "skinny,BN,BK,SPLIT,warps,stages[,fp8_dot]"
+        bn, bk, sk, w, st, *f8 = (int(v) for v in override.split(",")[1:])
+        return dict(SKINNY=True, FP8_DOT=bool(f8 and f8[0]), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w,
+                    num_stages=st)
+    if override and override.startswith("tma,"):  # "tma,BM,BN,BK,warps,stages"
+        bm, bn, bk, w, st = (int(v) for v in override.split(",")[1:])
+        return dict(TMA=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=8)
     if override:  # "BM,BN,BK,SPLIT,warps,stages" for tuning sweeps
         bm, bn, bk, sk, w, s = (int(v) for v in override.split(","))
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=s, GROUP_M=8)
     if M == 1 and b_k_contiguous:
         return _gemv_config(N, K, k_blocked)
     if M <= 16 and b_k_contiguous:
-        return _skinny_config(N, K, k_blocked, device)
+        return _skinny_config(N, K, k_blocked, device, fp8_dot)
     if M <= 16:
         bm = 1 if M == 1 else 16
         bn, bk = (64, 128) if k_blocked else (64, 256)
@@ -346,8 +482,18 @@ def _config(M: int, N: int, K: int, k_blocked: bool, device: torch.device,
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3, GROUP_M=1)
     if M <= 64:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4, GROUP_M=8)
+    if tma:
+        # H200, M=4096, N=K=8192 (fp8_probe2/3.json): 385 us; 128x256x128 with 4 stages 417-436, a
+        # persistent grid 405-418, warp-specialised 400, 256x128 452, 128x128 458, 64-wide K 454-458;
+        # fp8 MMA promotion every 128 K products (MAX_IMPRECISE) 592
+        return dict(TMA=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, GROUP_M=8)
     return dict(BLOCK_M=128, BLOCK_N=256 if N >= 256 and not k_blocked else 128, BLOCK_K=128, SPLIT_K=1,
                 num_warps=8, num_stages=3, GROUP_M=8)
+
+
+def _max_imprecise() -> int:
+    """K products an fp8 MMA may sum before promoting to fp32 (0: Triton's default)."""
+    return int(os.environ.get("EMBER_FP8_MAX_IMPRECISE", FP8_MAX_IMPRECISE))
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, kind_a: str | None,
@@ -366,7 +512,15 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
     if K == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
     k_blocked = kind_b == "block" or kind_a == "block"
-    cfg = dict(config or _config(M, N, K, k_blocked, a.device, b_k_contiguous=b.stride(0) == 1))
+    fp8_dot = a.dtype == torch.float8_e4m3fn and _fp8_dot_supported(a.device)
+    cfg = dict(config or _config(M, N, K, k_blocked, a.device, b_k_contiguous=b.stride(0) == 1, fp8_dot=fp8_dot,
+                                 tma=_tma_eligible(a, b, kind_a, kind_b)))
+    if cfg.get("TMA"):
+        if not _tma_eligible(a, b, kind_a, kind_b):
+            raise ValueError("config: the TMA kernel needs fp8 a, tensor/row scales and K-contiguous, 16-byte "
+                             f"aligned operands; got a {a.dtype} strides {tuple(a.stride())}, b strides "
+                             f"{tuple(b.stride())}, scales {kind_a}/{kind_b}")
+        return _launch_tma(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, cfg)
     if cfg.get("GEMV"):
         if M != 1 or b.stride(0) != 1:
             raise ValueError(f"config: the GEMV kernel needs M == 1 and a K-contiguous b, got M={M}, "
@@ -405,6 +559,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
             A_SCALED=kind_a is not None, K_BLOCKED=k_blocked, SB_N_GROUP=group, HAS_BIAS=bias is not None,
             SPLIT_K=split, DOT_F32=a.device.type != "cuda",
             IEEE=a.device.type != "cuda" or a.dtype == torch.float32, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
+            FP8_DOT=cfg.get("FP8_DOT", False) and fp8_dot and not k_blocked,
+            MAX_IMPRECISE=_max_imprecise() if fp8_dot else 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(a.device))
     else:
         _scaled_mm_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)](
@@ -413,8 +569,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
             s_am, s_ak, s_bk, s_bn,
             A_SCALED=kind_a is not None, K_BLOCKED=k_blocked, SB_N_GROUP=group, HAS_BIAS=bias is not None,
-            SPLIT_K=split, FP8_DOT=_fp8_dot_supported(a.device), DOT_F32=a.device.type != "cuda",
-            IEEE=a.device.type != "cuda" or a.dtype == torch.float32,
+            SPLIT_K=split, FP8_DOT=fp8_dot, DOT_F32=a.device.type != "cuda",
+            IEEE=a.device.type != "cuda" or a.dtype == torch.float32, MAX_IMPRECISE=_max_imprecise() if fp8_dot else 0,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
@@ -422,6 +578,23 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
         _split_k_reduce_kernel[(triton.cdiv(M * N, block),)](
             ws, bias if bias is not None else out, out, M, N, out.stride(0), out.stride(1),
             SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def _launch_tma(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, cfg) -> torch.Tensor:
+    M, K = a.shape
+    N = b.shape[1]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    b_desc = TensorDescriptor.from_tensor(b.t(), [bn, bk])  # [N, K], K-contiguous
+    s_am = scale_a.stride(0) if kind_a == "row" else 0
+    _, s_bn, _ = _b_scale_strides(scale_b, kind_b)
+    _scaled_mm_tma_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        a_desc, b_desc, scale_a, scale_b, bias if bias is not None else out, out, M, N, K,
+        out.stride(0), out.stride(1), s_am, s_bn,
+        HAS_BIAS=bias is not None, DOT_F32=a.device.type != "cuda", MAX_IMPRECISE=_max_imprecise(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 

@@ -235,10 +235,14 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, 
     """Many rows, fp8 x fp8, tensor or row scales, both operands K-contiguous: tiles arrive by TMA.
 
     ``a_desc`` [M, K] and ``b_desc`` [N, K] (b transposed) are tensor descriptors; TMA zero-fills
-    the ragged edges, so the loop has no masks. H200, M=4096, N=K=8192 rowwise (bench/results/h200/
-    fp8_probe2.json, fp8_probe3.json): 385-388 us with 128 x 256 x 128 tiles, 8 warps, 3 stages,
-    against 461-476 us for the same tiles loaded through pointers (cp.async) and 448 us for
-    torch._scaled_mm.
+    the ragged edges, so the loop has no masks. H200, M=4096, N=K=8192 rowwise, 128 x 256 x 128 tiles,
+    8 warps, 3 stages (bench/results/h200/fp8_probe2.json, fp8_probe3.json, fp8_gemm_alternation.json):
+    385-388 us on a GPU fresh from idle, against 461-476 us for the same tiles loaded through pointers
+    (cp.async); timed alternately with torch._scaled_mm after other work, 430-455 us against 446-484
+    (ratio 1.00-1.10 over 12 alternations on two machines). Both kernels slow as the GPU heats up
+    (torch 385 us first in a run, 446 us at its end: fp8_gemm_sweep_drift.json), so only figures
+    taken side by side compare. Writing the K loop inside a flattened one-tile loop nest gave no
+    measurable gain and wrong results at M=255, K=768 (Triton 3.6), so the loop stays plain.
     """
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -145,9 +145,8 @@ def quantize(x: torch.Tensor, granularity: str, block_size) -> tuple[torch.Tenso
 
 
 def _quantize_warps(chunk: int) -> int:
-    override = os.environ.get("EMBER_FP8_QUANT_WARPS")  # tuning sweeps
-    if override:
-        return int(override)
+    # H200, 16 x 8192 one pass (fp8_probe3/4.json): 16 warps 2.3 us (3.1 before the hardware cast),
+    # 32 warps the same, 8 warps 2.65, 4 warps 5.2
     return max(1, min(16, chunk // 512))
 
 

@@ -440,10 +440,10 @@ def test_tma_is_the_many_row_default_only_where_it_applies(interpreter):
 
 
 def test_fp8_activation_skinny_config(interpreter):
-    """fp8 activations on an fp8-MMA GPU: 512-wide K steps, split only up to ~one program an SM."""
+    """fp8 activations on an fp8-MMA GPU: 256-wide K steps, split only up to ~one program an SM."""
     k = _dispatch.kernels("fp8")
     cfg = k._config(16, 8192, 8192, False, torch.device("cpu"), b_k_contiguous=True, fp8_dot=True)
-    assert cfg["FP8_DOT"] and cfg["BLOCK_K"] == 512 and cfg["SKINNY"]
+    assert cfg["FP8_DOT"] and cfg["BLOCK_K"] == 256 and cfg["SPLIT_K"] == 1 and cfg["SKINNY"]
     assert not k._config(16, 8192, 8192, True, torch.device("cpu"), b_k_contiguous=True, fp8_dot=True).get("FP8_DOT")
     a, b, sa, sb = make_operands(5, 1100, 70, "row", "row", b_col_major=True)
     got = _kernel_mm(a, b, sa, sb, None, torch.float32, dict(cfg, SPLIT_K=2))

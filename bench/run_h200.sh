@@ -10,6 +10,7 @@
 #   python bench/step_variants.py $OUT/step_variants.json [names] [sizes]  # decode-step A/B of STEP_VARIANTS (~4 min)
 #   python bench/l2_prefetch_probe.py $OUT/l2_prefetch.json [cache_len]  # o_proj weight prefetched into L2 (measured: no)
 #   python bench/tma_gemv_probe.py $OUT/tma_gemv.json; python bench/fp8_m16_tma_probe.py $OUT/fp8_m16.json  # TMA-fed GEMVs
+#   python bench/fp8_gemm_alternation.py $OUT/fp8_gemm_alternation.json  # fp8 GEMM vs torch._scaled_mm, in turn
 # Results land in $OUT (or ./out): <suite>.json, gpu_tests.txt, doctor.txt; copy them to bench/results/h200/.
 set -u
 OUT=${OUT:-out}

@@ -597,3 +597,25 @@ def test_gpu_compile_fullgraph_and_cuda_graph(cuda):
         return ember.ops.scaled_mm(qx, qw.t(), sx, sw.t()) + ember.ops.scaled_mm(x, qw.t(), None, sw.t())
 
     check_compile_and_graph(f, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4, 16, 300])  # the few-row fp8-MMA kernel, and the TMA tile kernel past 64 rows
+def test_gpu_dynamic_rowwise_compile_and_cuda_graph(cuda, monkeypatch, M):
+    k = _dispatch.kernels("fp8")
+    launched = []
+    real_tma = k._launch_tma
+    monkeypatch.setattr(k, "_launch_tma", lambda *a, **kw: launched.append(1) or real_tma(*a, **kw))
+    w = torch.randn(2048, 768, device=cuda)
+    qw, sw = ember.ops.quantize_fp8(w, "row")
+    x = torch.randn(M, 768, device=cuda, dtype=torch.bfloat16)
+
+    def f(x):
+        qx, sx = ember.ops.quantize_fp8(x, "row")
+        return ember.ops.scaled_mm(qx, qw.t(), sx, sw.t())
+
+    out = check_compile_and_graph(f, x)
+    qx, sx = ember.ops.quantize_fp8(x, "row")
+    assert snr_db(out, f64_scaled_mm(qx, qw.t(), sx, sw.t())) >= 40
+    on_hopper = torch.cuda.get_device_capability(cuda) >= (9, 0)
+    assert bool(launched) == (M > 64 and on_hopper)

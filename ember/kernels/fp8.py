@@ -238,7 +238,7 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, 
     8 warps, 3 stages (bench/results/h200/fp8_probe2.json, fp8_probe3.json, fp8_gemm_alternation.json):
     385-388 us on a GPU fresh from idle, against 461-476 us for the same tiles loaded through pointers
     (cp.async); timed alternately with torch._scaled_mm after other work, 430-455 us against 446-484
-    (ratio 1.00-1.10 over 12 alternations on two machines). Both kernels slow as the GPU heats up
+    (ratio 1.00-1.11 over 18 alternations on three machines). Both kernels slow as the GPU heats up
     (torch 385 us first in a run, 446 us at its end: fp8_gemm_sweep_drift.json), so only figures
     taken side by side compare. Writing the K loop inside a flattened one-tile loop nest gave no
     measurable gain and wrong results at M=255, K=768 (Triton 3.6), so the loop stays plain.

@@ -350,7 +350,9 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     (PER_SM 3 / 6 under an 80-register cap, 24 rows: measured 96.8 us for 8192,8,3,1 and 110.8 us
     for 4096,4,6,1, both spilling; 2048,4,8,1 116.0 us), or a prefetch two rows deep (a ring in
     shared memory, not registers). Taking the barrier off the critical path does not help
-    (``_softmax_lagged_kernel``: 100.8 us at best).
+    (``_softmax_lagged_kernel``: 100.8 us at best), nor does giving each program a longer share of a
+    row (SUB chunks streamed twice, the second time from L2: 101-151 us; the trial kernel was not
+    kept, bench/results/h200/sampling_waves_segments_sweep.json).
 
     Row barrier: ``row_bar_ptr[row]``, generation based like the grid barrier of
     ``_softmax_one_launch_kernel``: chunk 0 adds BARRIER_GEN - (P - 1), the others 1, so each launch

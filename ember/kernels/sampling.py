@@ -352,7 +352,9 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     shared memory, not registers). Taking the barrier off the critical path does not help
     (``_softmax_lagged_kernel``: 100.8 us at best), nor does giving each program a longer share of a
     row (SUB chunks streamed twice, the second time from L2: 101-151 us; the trial kernel was not
-    kept, bench/results/h200/sampling_waves_segments_sweep.json).
+    kept, bench/results/h200/sampling_waves_segments_sweep.json). A deeper prefetch cannot come from
+    Triton's pipeliner: compiled for sm_90 (triton 3.6), a ``tl.range(..., num_stages=3)`` row loop
+    gets no cp.async for plain loads, and with a TMA descriptor load one 32 KB buffer, not three.
 
     Row barrier: ``row_bar_ptr[row]``, generation based like the grid barrier of
     ``_softmax_one_launch_kernel``: chunk 0 adds BARRIER_GEN - (P - 1), the others 1, so each launch

@@ -138,7 +138,8 @@ def quantize(x: torch.Tensor, granularity: str, block_size) -> tuple[torch.Tenso
         chunk = triton.next_power_of_2(group) if one_pass else 4096
         _quantize_kernel[(R, n_groups)](x2, q.view(torch.uint8).view(R, K), scale, K, x2.stride(0), K,
                                         scale.stride(0), scale.stride(1), group, CHUNK=chunk, ONE_PASS=one_pass,
-                                        NATIVE_CVT=x.device.type == "cuda", num_warps=_quantize_warps(chunk), **pdl_options(x.device))
+                                        NATIVE_CVT=x.device.type == "cuda", num_warps=_quantize_warps(chunk),
+                                        **pdl_options(x.device))
     if granularity == "row":
         return q, scale.view(x.shape[:-1] + (1,))
     return q, scale

@@ -12,7 +12,8 @@ from ember.kernels._common import pdl_options, pdl_start, round_to, silu_f32
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
                         stride_x, stride_res, stride_out, stride_new_res,
                         H, eps,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr = False,
+                        LIBDEVICE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -28,7 +29,10 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, round_to(xf * inv_rms * w, out_ptr.dtype.element_ty), mask=mask)
+    y = xf * inv_rms * w
+    if SILU:  # silu of the norm as the two-step path stores it (rounded to the output dtype first)
+        y = silu_f32(round_to(y, out_ptr.dtype.element_ty).to(tl.float32), LIBDEVICE)
+    tl.store(out_ptr + row * stride_out + cols, round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -72,6 +76,17 @@ def add_rmsnorm(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.
         x2.stride(0), residual2.stride(0) if has_res else 0, out.stride(0),
         new_residual.stride(0) if has_res else 0,
         H, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps, **pdl_options(x2.device))
+
+
+def rmsnorm_silu(x2: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    """silu(RMSNorm) of 2-d rows into ``out`` (rows with a contiguous last dim, any row stride)."""
+    M, H = x2.shape
+    if M == 0:
+        return
+    block, num_warps = _launch_config(H)  # the same as add_rmsnorm's: the same reduction order
+    _add_rmsnorm_kernel[(M,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, H, eps,
+                              HAS_RESIDUAL=False, BLOCK=block, SILU=True, LIBDEVICE=x2.device.type == "cuda",
+                              num_warps=num_warps, **pdl_options(x2.device))
 
 
 def rmsnorm_gated(x3: torch.Tensor, z3: torch.Tensor, weight: torch.Tensor, eps: float, out3: torch.Tensor) -> None:

@@ -5,6 +5,9 @@
 and ``normed = new_residual / sqrt(mean(new_residual**2) + eps) * weight`` in float32 math, cast to
 the input dtype. One pass over memory instead of the four a torch composite makes.
 
+``rmsnorm_silu(x, weight, eps, out=...)`` is ``silu(rmsnorm(x))`` in one pass, written into ``out``
+when given (the Wan VAE's norm + SiLU writing straight into a causal conv's input buffer).
+
 ``rmsnorm_gated(x, z, weight, eps)`` is the output norm of Qwen3.5's gated DeltaNet:
 ``(rmsnorm(x, weight, eps).float() * silu(z.float())).to(x.dtype)``, the norm rounded to x.dtype
 first exactly as the two-step path stores it; one launch instead of six.
@@ -48,6 +51,11 @@ def add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return normed.to(x.dtype), new_residual
+
+
+def rmsnorm_silu_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The executable spec: torch's silu of the norm as ``rmsnorm`` returns it (rounded to x.dtype)."""
+    return F.silu(add_rmsnorm_reference(x, None, weight, eps)[0])
 
 
 def rmsnorm_gated_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,6 +164,39 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
     if _dispatch.compiling():
         return _rmsnorm_op(x, weight, eps)
     return _impl(x, None, weight, eps)[0]
+
+
+def rmsnorm_silu(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(rmsnorm(x, weight, eps))`` in one pass (the norm rounded to ``x.dtype`` first, as the
+    two-step path stores it); returns ``out`` when given, which must have x's shape and dtype and a
+    contiguous last dim (a strided view, such as a slice of a larger buffer, is fine).
+
+    Example:
+        >>> buf = torch.empty(4, 2, 16)
+        >>> y = ember.ops.norm.rmsnorm_silu(torch.randn(4, 16), torch.ones(16), out=buf[:, 1])
+    """
+    eps = _validate(x, None, weight, eps)
+    if out is not None:
+        _checks.tensor("out", out, dtypes=(x.dtype,))
+        _checks.same_shape(x=x, out=out)
+        _checks.same_device(x=x, out=out)
+        if out.shape[-1] > 1 and out.stride(-1) != 1:
+            raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
+    if _dispatch.compiling() or not _dispatch.use_triton(x):
+        y = F.silu(rmsnorm(x, weight, eps)) if _dispatch.compiling() else rmsnorm_silu_reference(x, weight, eps)
+        return y if out is None else out.copy_(y)
+    target = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel():
+        try:
+            out2 = target.view(-1, x.shape[-1])
+        except RuntimeError:
+            out2 = None
+        if out2 is None:  # rows of out that do not merge into one 2-d view: through a temporary
+            target.copy_(rmsnorm_silu(x, weight, eps))
+        else:
+            _dispatch.kernels("norm").rmsnorm_silu(_checks.rows_2d(x), weight.contiguous(), eps, out2)
+    return target
 
 
 def rmsnorm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

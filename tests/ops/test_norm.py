@@ -270,3 +270,65 @@ def test_gpu_rmsnorm_gated_cuda_graph(cuda):
     z.copy_(torch.randn_like(z) * 3)
     g.replay()
     assert torch.equal(out, two_step(x, z, w, 1e-6))
+
+
+# ------------------------------------------------------------------ rmsnorm_silu (the Wan VAE's norm + SiLU)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 99), (2, 5, 256)])
+def test_rmsnorm_silu_kernel_interpreter(interpreter, dtype, shape):
+    x = (torch.randn(shape) * 3).to(dtype)
+    w = torch.randn(shape[-1]).to(dtype)
+    out = poisoned(shape, dtype, "cpu")
+    H = shape[-1]
+    _dispatch.kernels("norm").rmsnorm_silu(x.view(-1, H), w, 1e-6, out.view(-1, H))
+    # bit for bit: silu (numpy's float32 exp, as the interpreter computes it) of the rmsnorm kernel's
+    # rounded output
+    n = ember.ops.rmsnorm(x, w, 1e-6).float().numpy()
+    with np.errstate(over="ignore"):
+        exp = torch.from_numpy(n / (np.float32(1) + np.exp(-n))).to(dtype)
+    assert torch.equal(out, exp)
+    assert_close(out, norm.rmsnorm_silu_reference(x, w, 1e-6), dtype)  # torch's silu, one rounding
+    assert torch.equal(norm.rmsnorm_silu(x, w, 1e-6), out)  # the public op takes this kernel
+
+
+def test_rmsnorm_silu_writes_into_a_strided_out_interpreter(interpreter):
+    x, w = torch.randn(6, 4, 32), torch.randn(32)
+    buf = poisoned((6, 7, 32), torch.float32, "cpu")
+    before = buf.clone()
+    got = norm.rmsnorm_silu(x, w, 1e-6, out=buf[:, 2:6])   # rows of out: stride 32 inside, 224 between groups
+    assert got.data_ptr() == buf[:, 2:6].data_ptr()
+    assert_close(buf[:, 2:6], norm.rmsnorm_silu_reference(x, w, 1e-6), torch.float32)
+    bits, bits_before = buf.view(torch.int32), before.view(torch.int32)  # the poison is NaN: compare bits
+    assert torch.equal(bits[:, :2], bits_before[:, :2]) and torch.equal(bits[:, 6:], bits_before[:, 6:])
+
+
+def test_rmsnorm_silu_reference_path_and_out():
+    x, w = torch.randn(3, 40).bfloat16(), torch.randn(40).bfloat16()
+    exp = F.silu(norm.add_rmsnorm_reference(x, None, w, 1e-6)[0])
+    assert torch.equal(norm.rmsnorm_silu(x, w, 1e-6), exp)
+    out = torch.empty(3, 2, 40, dtype=torch.bfloat16)[:, 1]
+    assert norm.rmsnorm_silu(x, w, 1e-6, out=out) is out and torch.equal(out, exp)
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: norm.rmsnorm_silu(torch.randn(2, 8), torch.ones(8), out=torch.empty(2, 8).bfloat16()), TypeError, "out"),
+    (lambda: norm.rmsnorm_silu(torch.randn(2, 8), torch.ones(8), out=torch.empty(2, 7)), ValueError, "out: expected shape"),
+    (lambda: norm.rmsnorm_silu(torch.randn(2, 8), torch.ones(8), out=torch.empty(8, 2).t()), ValueError,
+     "out: expected a contiguous last dimension"),
+    (lambda: norm.rmsnorm_silu(torch.randn(2, 8), torch.ones(7)), ValueError, "weight"),
+])
+def test_rmsnorm_silu_bad_input(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 99), (1, 4, 192, 336, 256)])
+def test_gpu_rmsnorm_silu_bit_exact(cuda, dtype, shape):
+    """Equal to the two-step path (rmsnorm kernel, then torch's CUDA silu) bit for bit, into a strided out."""
+    x = (torch.randn(shape, device=cuda) * 3).to(dtype)
+    w = torch.randn(shape[-1], device=cuda).to(dtype)
+    buf = torch.empty((2,) + shape, device=cuda, dtype=dtype)
+    got = norm.rmsnorm_silu(x, w, 1e-6, out=buf[1])
+    assert torch.equal(got, F.silu(ember.ops.rmsnorm(x, w, 1e-6)))

@@ -1,7 +1,9 @@
 """Where ember's Wan2.2 VAE decode spends its GPU time (H200): per-kernel totals from torch.profiler,
 and the same decode with cuDNN's autotuner on and off.
 
-    python bench/profile_vae.py [latent_frames]     # needs diffusers (see bench/run_h200.sh)
+    python bench/profile_vae.py [latent_frames] [--shapes]   # needs diffusers (see bench/run_h200.sh)
+
+--shapes: aten ops grouped by input shape instead (what bench/results/h200/profile_vae_shapes.txt holds).
 """
 import sys
 import time
@@ -21,10 +23,28 @@ def timed_decode(vae, z) -> float:
     return time.perf_counter() - t0
 
 
-def main(latent_frames: int = 9) -> None:
+def by_shape(vae, z) -> None:
+    """Self CUDA time of aten ops grouped by input shape (a conv's bias add shows as its own add_)."""
+    timed_decode(vae, z[:, :, :2])
+    print(f"decode {z.shape[2]} latent frames {timed_decode(vae, z):.3f} s (unprofiled)")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        timed_decode(vae, z)
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:45]:
+        print(f"{e.self_device_time_total / 1e3:9.1f} ms {e.count:6d}  {e.key:28s} {str(e.input_shapes)[:150]}")
+    print("---- by op")
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"{e.self_device_time_total / 1e3:9.1f} ms {e.count:6d}  {e.key}")
+
+
+def main(latent_frames: int = 9, shapes: bool = False) -> None:
     dev = torch.device("cuda")
     vae = build_vae("wan22", dev, torch.bfloat16)
     z = torch.randn(1, 48, latent_frames, 44, 80, device=dev, dtype=torch.bfloat16)
+    if shapes:
+        return by_shape(vae, z)
     for bench in (False, True):
         torch.backends.cudnn.benchmark = bench
         timed_decode(vae, z[:, :, :2])
@@ -40,4 +60,5 @@ def main(latent_frames: int = 9) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 9)
+    args = [a for a in sys.argv[1:] if a != "--shapes"]
+    main(int(args[0]) if args else 9, shapes="--shapes" in sys.argv)

@@ -225,3 +225,21 @@ def test_frame_chunk_switch(monkeypatch):
     monkeypatch.setenv("EMBER_VAE_FRAME_CHUNK", "one")
     with pytest.raises(ValueError, match="EMBER_VAE_FRAME_CHUNK"):
         _decode._frames_per_chunk()
+
+
+def test_fused_norm_silu_and_row_bias_match_the_two_step_path_interpreter(interpreter):
+    """The stream's one-pass norm + SiLU into a conv buffer slice and its row-wise conv bias give the
+    bits of the two-step path (rms_norm, then silu; torch's broadcast bias add), on channels-last data."""
+    from ember.vae import _stream
+    vae = make_vae("wan21")
+    norm = vae.decoder.mid_block.resnets[0].norm1  # a WanRMS_norm
+    C = norm.gamma.numel()
+    x = torch.randn(1, C, 3, 4, 5).contiguous(memory_format=_stream.CL3)
+    buf = torch.full((1, C, 5, 4, 5), 7.0).contiguous(memory_format=_stream.CL3)
+    _stream.norm_silu(norm, x, out=buf[:, :, 2:])
+    assert torch.equal(buf[:, :, :2], torch.full_like(buf[:, :, :2], 7.0))   # the history frames untouched
+    exp = torch.nn.functional.silu(_stream.rms_norm(norm, x))
+    torch.testing.assert_close(buf[:, :, 2:], exp, atol=1e-6, rtol=1e-6)  # interpreter exp vs torch's: ulps
+    y = torch.randn(1, C, 3, 4, 5).contiguous(memory_format=_stream.CL3)
+    bias = torch.randn(C)
+    assert torch.equal(_stream.add_conv_bias_(y.clone(), bias), y + bias.view(1, C, 1, 1, 1))

@@ -1,18 +1,22 @@
 """Triton kernels for FP8: activation quantisation and scaled matmul (GEMV and GEMM regimes).
 
-``scaled_mm`` has a GEMV kernel, a few-row kernel and one tiled kernel, chosen by M and b's layout:
+``scaled_mm`` has a GEMV kernel, a few-row kernel and two tiled kernels, chosen by M and the operands:
 * M == 1 with a K-contiguous b (``w.t()``, what Fp8Linear passes): the GEMV kernel shared with
   ``ember.ops.linear`` (``ember.kernels.gemv``): one launch, K-fastest tiles, one warp per weight
   row, no split-K. Its config rule and the H200 measurements behind it are in ``gemv.gemv_config``.
 * 2 <= M <= 16 with a K-contiguous b (decode batches through Fp8Linear): ``_skinny_mm_kernel``,
   swapped operands (the 64-row weight tile is the MMA's first operand, the few activation rows its
-  narrow second one), split K up to 4 ways (``_skinny_config`` has the H200 figures).
+  narrow second one), split K up to 4 ways (``_skinny_config`` has the H200 figures). fp8
+  activations on sm_89+ go to the MMA as fp8 (no upcast in registers).
 * M <= 16 otherwise: memory-bound; each weight byte is read once. Programs tile N finely and split K
   (fp32 partials to a workspace, summed by a small second kernel) so that every SM has several
   programs streaming weight bytes. M == 1 multiplies on the CUDA cores (no padding to a 16-row MMA);
   2..16 rows use one 16-row tl.dot.
 * M > 16: compute-bound; 128-wide tiles on the tensor cores (fp8 x fp8 dot on sm_89+; weight-only
   mode upcasts weight tiles to the activation dtype in registers), grouped tile order for L2 reuse.
+  Past 64 rows, fp8 x fp8 with tensor / row scales and K-contiguous 16-byte-aligned operands on
+  sm_90+ takes ``_scaled_mm_tma_kernel`` (tiles fed by TMA descriptors); the rest takes the
+  pointer-fed ``_scaled_mm_kernel``.
 
 Scales are read through (row, column) strides, so one kernel serves every granularity: stride 0
 broadcasts a tensor scale, per-row / per-column scales stride along one axis, and 128-blocks stride

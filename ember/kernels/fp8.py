@@ -324,9 +324,9 @@ def _skinny_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
     The loop is a plain pipelined stream of weight tiles (``num_stages`` in flight); scales are
     applied after the K loop, or per 128-step for blocks.
     """
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pdl_start(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)

@@ -316,6 +316,18 @@ def test_kernel_matches_float64_interpreter(interpreter, kind_a, kind_b, M, K, N
     assert rel_frobenius(got, f64_scaled_mm(a, b, sa, sb, bias)) <= 1e-5
 
 
+# kernel vs the fp32 reference: fp32 sums in another order, then one rounding to out_dtype (at most
+# one ulp apart), and >= 40 dB against float64
+REFERENCE_RTOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}
+
+
+def check_kernel_against_reference(a, b, sa, sb, bias, out_dtype, config):
+    got = _kernel_mm(a, b, sa, sb, bias, out_dtype, config)
+    exp = fp8.scaled_mm_reference(a, b, sa, sb, bias, out_dtype)
+    torch.testing.assert_close(got.float(), exp.float(), atol=1e-3, rtol=REFERENCE_RTOL[out_dtype])
+    assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
+
+
 # split-K with a reduction kernel, the 16-row dot, a 64-row GEMM tile with grouped order
 CONFIGS = [dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, SPLIT_K=3, num_warps=4, num_stages=1, GROUP_M=1),
            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=1, GROUP_M=1),
@@ -329,11 +341,7 @@ def test_kernel_configs_interpreter(interpreter, config, kind_a, kind_b):
     M, K, N = (1 if config["BLOCK_M"] == 1 else 20), 520, 100
     a, b, sa, sb = make_operands(M, K, N, kind_a, kind_b, b_col_major=config["GROUP_M"] == 1)
     bias = torch.randn(N).to(torch.bfloat16)
-    got = _kernel_mm(a, b, sa, sb, bias, out_dtype, config)
-    exp = fp8.scaled_mm_reference(a, b, sa, sb, bias, out_dtype)
-    # fp32 sums in another order, then one rounding to out_dtype: at most one ulp apart
-    torch.testing.assert_close(got.float(), exp.float(), atol=1e-3, rtol=8e-3 if out_dtype == torch.bfloat16 else 1e-3)
-    assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
+    check_kernel_against_reference(a, b, sa, sb, bias, out_dtype, config)
 
 
 # M == 1 with the K-contiguous b = w.t() takes the one-launch GEMV kernel by default; M = 2 and 16 (and a
@@ -368,10 +376,7 @@ def test_gemv_configs_interpreter(interpreter, config, K, N, kind_a, kind_b):
     out_dtype = torch.float16 if kind_a == "row" else torch.bfloat16
     a, b, sa, sb = make_operands(1, K, N, kind_a, kind_b)
     bias = torch.randn(N).to(torch.bfloat16)
-    got = _kernel_mm(a, b, sa, sb, bias, out_dtype, config)
-    exp = fp8.scaled_mm_reference(a, b, sa, sb, bias, out_dtype)
-    torch.testing.assert_close(got.float(), exp.float(), atol=1e-3, rtol=8e-3 if out_dtype == torch.bfloat16 else 1e-3)
-    assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
+    check_kernel_against_reference(a, b, sa, sb, bias, out_dtype, config)
 
 
 # the swapped-operand few-row kernel (the default for 2..16 rows and a K-contiguous b): split-K and not,
@@ -388,10 +393,7 @@ def test_skinny_configs_interpreter(interpreter, config, M, K, N, kind_a, kind_b
     out_dtype = torch.float16 if kind_a == "row" else torch.bfloat16
     a, b, sa, sb = make_operands(M, K, N, kind_a, kind_b, b_col_major=True)
     bias = torch.randn(N).to(torch.bfloat16)
-    got = _kernel_mm(a, b, sa, sb, bias, out_dtype, config)
-    exp = fp8.scaled_mm_reference(a, b, sa, sb, bias, out_dtype)
-    torch.testing.assert_close(got.float(), exp.float(), atol=1e-3, rtol=8e-3 if out_dtype == torch.bfloat16 else 1e-3)
-    assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
+    check_kernel_against_reference(a, b, sa, sb, bias, out_dtype, config)
 
 
 def test_skinny_is_the_few_row_default_and_refuses_many_rows(interpreter):
@@ -416,10 +418,7 @@ TMA_CONFIGS = [dict(TMA=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, n
 def test_tma_kernel_interpreter(interpreter, config, M, K, N, kind_a, kind_b, out_dtype):
     a, b, sa, sb = make_operands(M, K, N, kind_a, kind_b, b_col_major=True)
     bias = torch.randn(N).to(torch.bfloat16)
-    got = _kernel_mm(a, b, sa, sb, bias, out_dtype, config)
-    exp = fp8.scaled_mm_reference(a, b, sa, sb, bias, out_dtype)
-    torch.testing.assert_close(got.float(), exp.float(), atol=1e-3, rtol=8e-3 if out_dtype == torch.bfloat16 else 1e-5)
-    assert snr_db(got, f64_scaled_mm(a, b, sa, sb, bias)) >= 40
+    check_kernel_against_reference(a, b, sa, sb, bias, out_dtype, config)
 
 
 def test_tma_is_the_many_row_default_only_where_it_applies(interpreter):

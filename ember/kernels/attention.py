@@ -88,11 +88,64 @@ def prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, 
 
 
 @triton.jit
+def _norm_rope_rows(src, mask, w_ptr, cos_row, sin_row, offs_d, eps, D: tl.constexpr, dt: tl.constexpr):
+    """Rows ``src[r] + offs_d`` ([R, 1] pointers, [R, 1] mask) per-head RMSNormed and rotated (rotate-half
+    RoPE at the position whose cos/sin rows are given), as fp32 values of the I/O dtype ``dt``: the math
+    and roundings of _qk_norm_rope_cache_kernel in a [R, D] layout (each element's rotation partner
+    loaded a second time instead of splitting the halves)."""
+    HALF: tl.constexpr = D // 2
+    rot = (offs_d + HALF) % D
+    x = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xr = tl.load(src + rot[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv_rms = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+    n = round_to(x * inv_rms * tl.load(w_ptr + offs_d).to(tl.float32)[None, :], dt).to(tl.float32)
+    nr = round_to(xr * inv_rms * tl.load(w_ptr + rot).to(tl.float32)[None, :], dt).to(tl.float32)
+    c = round_to(tl.load(cos_row + offs_d % HALF), dt).to(tl.float32)[None, :]
+    s = round_to(tl.load(sin_row + offs_d % HALF), dt).to(tl.float32)[None, :]
+    out = tl.where((offs_d < HALF)[None, :], n * c - nr * s, n * c + nr * s)
+    return round_to(out, dt).to(tl.float32)
+
+
+@triton.jit
+def _kv_tile(base, offs_n, n_mask, stride, offs_d):
+    return tl.load(base + offs_n[:, None].to(tl.int64) * stride + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _online_block(q, k, v, offs_n, n_mask, m_i, l_i, acc, scale, pos, k_new, v_new, NEW_KV: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """One block of the online softmax: (m_i, l_i, acc) after the positions offs_n (k, v tiles [BLOCK_N, D])."""
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
+    if NEW_KV:
+        k = tl.where((offs_n == pos)[:, None], k_new, k)
+        v = tl.where((offs_n == pos)[:, None], v_new, v)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(n_mask[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_blocks(q, kc_ptr, vc_ptr, part_ptr, lse_ptr, scale, skb, skh, sks, svb, svh, svs, b, kvh, split, length,
                    NH: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NSPLIT: tl.constexpr, IEEE: tl.constexpr):
+                   NSPLIT: tl.constexpr, IEEE: tl.constexpr, pos, k_new, v_new, NEW_KV: tl.constexpr,
+                   k_first, v_first, FIRST_LOADED: tl.constexpr):
     # Online softmax of the G heads (rows of q) over blocks split, split + NSPLIT, ... of BLOCK_N
     # positions below ``length``; stores the normalised partial and its log-sum-exp (-inf when empty).
+    # NEW_KV: position ``pos`` takes k_new / v_new ([1, D] fp32) instead of the cache, which another
+    # program of this launch is writing them into. FIRST_LOADED: block ``split``'s tiles are k_first,
+    # v_first (loaded by the caller, masked to ``length``).
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     g_mask = offs_g < G
@@ -102,27 +155,19 @@ def _attend_blocks(q, kc_ptr, vc_ptr, part_ptr, lse_ptr, scale, skb, skh, sks, s
     acc = tl.zeros([GP, D], tl.float32)
     k_base = kc_ptr + b * skb + kvh * skh
     v_base = vc_ptr + b * svb + kvh * svh
-    for blk in range(split, tl.cdiv(length, BLOCK_N), NSPLIT):
+    start = split
+    if FIRST_LOADED:
+        if split * BLOCK_N < length:
+            offs_n = split * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _online_block(q, k_first, v_first, offs_n, offs_n < length, m_i, l_i, acc, scale, pos,
+                                          k_new, v_new, NEW_KV, IEEE)
+        start = split + NSPLIT
+    for blk in range(start, tl.cdiv(length, BLOCK_N), NSPLIT):
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < length
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * sks + offs_d[None, :], mask=n_mask[:, None],
-                    other=0.0).to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svs + offs_d[None, :], mask=n_mask[:, None],
-                    other=0.0).to(tl.float32)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+        k = _kv_tile(k_base, offs_n, n_mask, sks, offs_d)
+        v = _kv_tile(v_base, offs_n, n_mask, svs, offs_d)
+        m_i, l_i, acc = _online_block(q, k, v, offs_n, n_mask, m_i, l_i, acc, scale, pos, k_new, v_new, NEW_KV, IEEE)
     live = l_i > 0
     out = acc / tl.where(live, l_i, 1.0)[:, None]
     lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("-inf"))
@@ -168,33 +213,72 @@ def _combine_live_splits(part_ptr, lse_ptr, out_ptr, b, kvh, n_live, NH: tl.cons
 @triton.jit
 def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse_ptr, scale, S,
                                    skb, skh, sks, svb, svh, svs, cnt_ptr, out_ptr,
+                                   qkv_ptr, stride_qkv, qn_ptr, kn_ptr, cos_ptr, sin_ptr, stride_cos, pos_ptr, eps,
                                    NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                                    GP: tl.constexpr, GC: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
                                    NSB: tl.constexpr, IEEE: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+                                   ROPE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                                    PDL: tl.constexpr = False):
-    pdl_start(PDL)
     # One program per (row, kv head, split): the G query heads sharing that kv head attend over the
     # blocks split, split + NSPLIT, ... of BLOCK_N positions below seq_lens[row] (strided, so a short
     # live length spreads over many programs whatever the cache size S).
     # FUSED_COMBINE: only the n_live = min(cdiv(len, BLOCK_N), NSPLIT) splits holding live positions
     # work (the others return as soon as the length is loaded), and the last of them to arrive combines
     # their partials into ``out`` (no second launch) and resets the (row, kv head)'s arrival counter.
+    # ROPE: q, k, v come raw from the qkv projection [B, (NH + 2 KVH) * D]: every program normalises and
+    # rotates its G query heads and the new k itself (a few KB, the same code so the same values), uses
+    # the new k, v at positions[row] in place of the cache entry, and split 0 writes them into the cache.
+    # PREFETCH (with ROPE): the split's first k, v block is loaded before waiting for the previous
+    # kernel: the lengths, positions and older cache entries were written kernels before, and the
+    # new entry's stale cache value is replaced by k_new / v_new; so the cache read overlaps the
+    # previous kernel (the qkv projection) instead of following the norms.
+    if not PREFETCH:
+        pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), S)  # the reference's live mask stops at S too
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
-    # Loaded before the length is known: in flight together with it. fp32 operands: bf16/fp16 values
-    # are exact in tf32, so the default (tf32) dot loses nothing on q.k, and the interpreter (CI)
-    # mis-multiplies bf16 dots.
-    q = tl.load(q_ptr + (b * NH + kvh * G + offs_g)[:, None] * D + offs_d[None, :], mask=(offs_g < G)[:, None],
-                other=0.0).to(tl.float32)
+    heads = kvh * G + offs_g
+    # fp32 operands: bf16/fp16 values are exact in tf32, so the default (tf32) dot loses nothing on
+    # q.k, and the interpreter (CI) mis-multiplies bf16 dots.
+    if ROPE:
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+    else:
+        pos = 0
+    if PREFETCH:
+        offs_n0 = split * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_first = _kv_tile(kc_ptr + b * skb + kvh * skh, offs_n0, offs_n0 < length, sks, offs_d)
+        v_first = _kv_tile(vc_ptr + b * svb + kvh * svh, offs_n0, offs_n0 < length, svs, offs_d)
+        pdl_start(PDL)
+    else:
+        k_first, v_first = length, length  # unused
+    if ROPE:
+        dt = qkv_ptr.dtype.element_ty
+        row = qkv_ptr + b * stride_qkv
+        cos_row, sin_row = cos_ptr + pos * stride_cos, sin_ptr + pos * stride_cos
+        q = _norm_rope_rows(row + heads[:, None] * D, (offs_g < G)[:, None], qn_ptr, cos_row, sin_row, offs_d, eps,
+                            D, dt)
+        one = tl.arange(0, 1)
+        k_new = _norm_rope_rows(row + (NH + kvh) * D + one[:, None], one[:, None] >= 0, kn_ptr, cos_row, sin_row,
+                                offs_d, eps, D, dt)  # [1, D]
+        v_new = tl.load(row + (NH + KVH + kvh) * D + offs_d[None, :] + one[:, None])
+        if split == 0:
+            tl.store(kc_ptr + b * skb + kvh * skh + pos * sks + offs_d[None, :] + one[:, None], round_to(k_new, dt))
+            tl.store(vc_ptr + b * svb + kvh * svh + pos * svs + offs_d[None, :] + one[:, None], v_new)
+        v_new = v_new.to(tl.float32)
+    else:
+        # loaded before the length is known: in flight together with it
+        q = tl.load(q_ptr + (b * NH + heads)[:, None] * D + offs_d[None, :], mask=(offs_g < G)[:, None],
+                    other=0.0).to(tl.float32)
+        k_new, v_new = q, q  # unused
     if FUSED_COMBINE:
         n_live = tl.maximum(tl.minimum(tl.cdiv(length, BLOCK_N), NSPLIT), 1)  # length 0: split 0 (-> NaN)
         if split < n_live:
             _attend_blocks(q, kc_ptr, vc_ptr, part_ptr, lse_ptr, scale, skb, skh, sks, svb, svh, svs, b, kvh,
-                           split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE)
+                           split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE, pos, k_new, v_new, ROPE,
+                           k_first, v_first, PREFETCH)
             tl.debug_barrier()  # every thread's partial stores precede the release below
             slot = cnt_ptr + b * KVH + kvh
             if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == n_live - 1:
@@ -202,7 +286,8 @@ def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
     else:
         _attend_blocks(q, kc_ptr, vc_ptr, part_ptr, lse_ptr, scale, skb, skh, sks, svb, svh, svs, b, kvh,
-                       split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE)
+                       split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE, pos, k_new, v_new, ROPE,
+                       k_first, v_first, PREFETCH)
 
 
 @triton.jit
@@ -244,7 +329,10 @@ def _split_plan(S: int, rows_x_heads: int) -> tuple[int, int]:
 # The fused combine pays off only when the second launch would merge many splits: H200, Qwen3-30B-A3B
 # decode step with dependent launch (bench/step_variants.py): cache of 400 (16 splits) 2.736 ms one
 # launch vs 2.689 two; cache of 4096 (64 splits, the two-launch combine then spills) 2.775 vs 2.803.
-ONE_LAUNCH_MIN_SPLITS = 32
+# Later steps turned the 16-split case round (ember bench moe variants, cache 392: 2.559 vs 2.580 ms
+# on 2026-11-30, 2.371 vs 2.393 with the re-tiled MoE GEMVs on 2026-12-01), so 16 splits combine in
+# the same launch too; batch 8 (8 splits) keeps two launches.
+ONE_LAUNCH_MIN_SPLITS = 16
 
 
 def one_launch(nsplit: int) -> bool:
@@ -265,25 +353,37 @@ def one_launch(nsplit: int) -> bool:
     return nsplit >= ONE_LAUNCH_MIN_SPLITS
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
-    B, NH, D = q.shape
+def decode_attention(q, k_cache, v_cache, seq_lens, scale, out, rope: tuple | None = None) -> None:
+    """Decode attention of q [B, NH, D] into out [B, NH * D]. ``rope = (qkv, q_norm, k_norm, cos, sin,
+    positions, eps)``: q is None and the kernel takes q, k, v raw from qkv [B, (NH + 2 KVH) * D] (the
+    qk_norm_rope_cache step folded in, cache write included)."""
+    B, NH, D = (q.shape if rope is None else (rope[0].shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]))
     KVH, S = k_cache.shape[1], k_cache.shape[2]
     G = NH // KVH
-    q = q.contiguous()
     nsplit, block_n = _split_plan(S, B * KVH)
     gc = triton.next_power_of_2(G)
     nsb = max(1, min(nsplit, COMBINE_TILE // (gc * D)))
-    part = torch.empty(B, NH, nsplit, D, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, NH, nsplit, dtype=torch.float32, device=q.device)
+    part = torch.empty(B, NH, nsplit, D, dtype=torch.float32, device=out.device)
+    lse = torch.empty(B, NH, nsplit, dtype=torch.float32, device=out.device)
     fused = one_launch(nsplit)
-    cnt = arrival_counters("decode_attention", q.device, B * KVH) if fused else lse
-    pdl = pdl_options(q.device)
+    cnt = arrival_counters("decode_attention", out.device, B * KVH) if fused else lse
+    pdl = pdl_options(out.device)
+    if rope is None:
+        q = q.contiguous()
+        qkv, qn, kn, cos, sin, positions, eps = q, q, q, q, q, q, 0.0  # unused pointers
+    else:
+        qkv, qn, kn, cos, sin, positions, eps = rope
+        if qkv.stride(1) != 1:
+            qkv = qkv.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        q = qkv  # unused pointer
     _decode_attention_split_kernel[(B, KVH, nsplit)](
         q, k_cache, v_cache, seq_lens, part, lse, scale, S,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        cnt, out, NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), GC=gc, BLOCK_N=block_n,
-        NSPLIT=nsplit, NSB=nsb, IEEE=q.dtype == torch.float32, FUSED_COMBINE=fused, num_warps=4,
-        **pdl)
+        cnt, out, qkv, qkv.stride(0), qn, kn, cos, sin, cos.stride(0), positions, float(eps),
+        NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), GC=gc, BLOCK_N=block_n,
+        NSPLIT=nsplit, NSB=nsb, IEEE=out.dtype == torch.float32, FUSED_COMBINE=fused, ROPE=rope is not None,
+        PREFETCH=rope is not None and os.environ.get("EMBER_ATTN_PREFETCH", "1") == "1", num_warps=4, **pdl)
     if not fused:
         _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1,
                                                   **pdl)

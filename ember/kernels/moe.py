@@ -41,9 +41,14 @@ SCALE_BLOCK = 128
 # 7 gate_up x 7 down GEMV configs, bf16 + fp8 time summed; T=16 / T=512: 5 configs each, all within
 # ~5% of each other). The interpreter (CPU tests) uses small blocks so tiny shapes still exercise
 # several K iterations and N blocks.
+# The v1 T=1 tiles were re-chosen inside the decode step (bench/step_variants.py "tiles:GU:DN", 60
+# tile pairs, bench/results/h200/step_variants_moe_tiles*.json): Qwen3-30B-A3B batch-1 step 2.580 ->
+# 2.396 ms at a 400 cache (2.555 -> 2.369 at 4096). Alone the previous tiles had won (4,256,2 / 8,256,4);
+# in the step, fewer warps per program (more, smaller programs resident beside the neighbouring
+# kernels) win, and 8 rows on one warp spill (5.9 ms).
 GPU_CONFIG = {
-    "gemv_gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, UNROLL=True),
-    "gemv_down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, UNROLL=True),
+    "gemv_gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=1, UNROLL=True),
+    "gemv_down": dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, UNROLL=True),
     "grouped_decode": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "grouped_prefill": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     # T=1, H200, Qwen3-30B-A3B shapes. fp8: v2 (ember.bench.moe_ops.sweep, us per layer: row scales
@@ -659,7 +664,17 @@ def _config(name: str, device: torch.device, act_bytes: int = 2) -> dict:
     shared memory, so they keep GPU_CONFIG's prefill tiles)."""
     if name == "grouped_prefill" and device.type == "cuda" and act_bytes <= 2 and _large_smem(device):
         return dict(GPU_PREFILL_LARGE_SMEM)
-    return dict((GPU_CONFIG if device.type == "cuda" else CPU_CONFIG)[name])
+    cfg = dict((GPU_CONFIG if device.type == "cuda" else CPU_CONFIG)[name])
+    env = os.environ.get(GEMV_ENV.get(name, ""), "") if name in GEMV_ENV else ""
+    if env:  # decode-step sweeps (bench/step_variants.py): the v1 T=1 tiles, read per call
+        fields = env.split(",")
+        if len(fields) != 3 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(f"{GEMV_ENV[name]}: expected 'BLOCK_N,BLOCK_K,num_warps' (positive integers), got {env!r}")
+        cfg.update(BLOCK_N=int(fields[0]), BLOCK_K=int(fields[1]), num_warps=int(fields[2]))
+    return cfg
+
+
+GEMV_ENV = {"gemv_gate_up": "EMBER_MOE_GATE_UP_TILE", "gemv_down": "EMBER_MOE_DOWN_TILE"}
 
 
 def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None):

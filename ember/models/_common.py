@@ -139,9 +139,16 @@ class Attention(nn.Module):
     def _decode_from_qkv(self, qkv: torch.Tensor, positions, seq_lens, cos, sin, cache) -> torch.Tensor:
         """q/k norm + RoPE + cache write, decode attention, output projection."""
         c = self.cfg
-        q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
-                                        num_heads=c.num_heads, eps=c.rms_norm_eps)
-        out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
+        # opt-in (read per call, so while capturing): the H200 decode step measured it slower, 2.706 vs
+        # 2.576 ms (bench/results/h200/step_variants_fold2.json; ARCHITECTURE.md, attention)
+        if os.environ.get("EMBER_ATTN_FUSED_ROPE", "0") == "1":
+            out = attn_ops.qk_norm_rope_attention(qkv, self.q_norm, self.k_norm, cos, sin, positions, seq_lens,
+                                                  cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps,
+                                                  scale=self.scale)
+        else:
+            q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
+                                            num_heads=c.num_heads, eps=c.rms_norm_eps)
+            out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out)
 
     def add_norm_decode(self, m: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -152,8 +159,8 @@ class Attention(nn.Module):
         Batch 1 with an unscaled, bias-free qkv weight only (``ember.ops.add_rmsnorm_linear``); returns
         ``(out, new_residual)``, or None where the fold does not apply: the caller then runs the norm
         and :meth:`decode`. Opt-in (``EMBER_NORM_QKV_FUSED=1``): on the H200 it made the Qwen3-30B-A3B
-        step 0.36 ms slower (2.955 vs 2.593 ms; bench/results/h200/step_variants_norm_fold.json), as
-        each of the GEMV's 1280 programs recomputes the row's norm before its first product.
+        step slower, 0.36 ms with the norm computed up front in each of the GEMV's 1280 programs
+        (step_variants_norm_fold.json), 0.11 ms with 1/rms applied after the K loop (moe.json variants).
         """
         if (m.shape[0] != 1 or type(self.qkv) is not Linear or self.qkv.bias is not None
                 or os.environ.get("EMBER_NORM_QKV_FUSED", "0") != "1" or os.environ.get("EMBER_FUSED_QKV", "0") == "1"):

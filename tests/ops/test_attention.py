@@ -395,7 +395,8 @@ def test_one_launch_default_by_split_count_and_env_switch(monkeypatch):
     monkeypatch.delenv("EMBER_ATTN_ONE_LAUNCH", raising=False)
     assert K.one_launch(K.ONE_LAUNCH_MIN_SPLITS) and not K.one_launch(K.ONE_LAUNCH_MIN_SPLITS // 2)
     assert K.one_launch(K._split_plan(4096, 4)[0])      # batch-1 Qwen3-30B-A3B, 4096-token cache: 64 splits
-    assert not K.one_launch(K._split_plan(400, 4)[0])   # a 400-token cache: 16 splits
+    assert K.one_launch(K._split_plan(400, 4)[0])       # a 400-token cache: 16 splits
+    assert not K.one_launch(K._split_plan(400, 32)[0])  # batch 8 (32 row x kv heads): 8 splits
     monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "0")
     assert not K.one_launch(64)
     monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
@@ -430,3 +431,76 @@ def test_one_launch_graph_replays_with_changing_lengths(cuda, monkeypatch):
         torch.testing.assert_close(out_g.float(), two.float(), atol=1e-6, rtol=2 ** -7)
         torch.testing.assert_close(out_g.float(), A.decode_attention_reference(q, kc, vc, lens, D ** -0.5).float(),
                                    atol=1e-2, rtol=8e-3)
+
+
+# ----------------------------------------------------------------------------- norm + RoPE folded into attention
+def _rope_then_attend(qkv, qn, kn, cos, sin, pos, lens, kc, vc, NH, scale):
+    """The unfused decode path: qk_norm_rope_cache (writes k, v), then decode_attention."""
+    q = A.qk_norm_rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
+    return A.decode_attention(q, kc, vc, lens, scale=scale)
+
+
+@pytest.mark.parametrize("one_launch", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_attention_matches_two_step_interpreter(interpreter, monkeypatch, dtype, one_launch):
+    """The fused op writes the same k, v into the caches and attends like the two ops, at positions
+    inside, at the start and at the end of a 32-position block, with rows past their position."""
+    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", one_launch)
+    B, NH, KVH, D, S = 4, 8, 2, 16, 70
+    qkv, qn, kn, cos, sin, _, kc, vc = _rope_inputs(B, NH, KVH, D, S, dtype)
+    pos = torch.tensor([0, 31, 32, 69])
+    lens = torch.tensor([1, 32, 40, 70], dtype=torch.int32)  # row 2 also attends 7 older entries past pos
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=NH, scale=D ** -0.5)
+    two = _rope_then_attend(qkv, qn, kn, cos, sin, pos, lens, kc2, vc2, NH, D ** -0.5)
+    assert torch.equal(vc, vc2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(kc, kc2, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out, two, atol=1e-5, rtol=1e-5)
+    else:  # the norm's sum of squares runs in another order: at most one bf16 ulp on a k or q value
+        torch.testing.assert_close(kc.float(), kc2.float(), atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(out.float(), two.float(), atol=1e-2, rtol=8e-3)
+    kc3, vc3 = kc2.clone(), vc2.clone()
+    ref = A.qk_norm_rope_attention_reference(qkv, qn, kn, cos, sin, pos, lens, kc3, vc3, NH, 1e-6, D ** -0.5)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1.6e-2)  # kernel rounds once, reference per op
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol[0], rtol=tol[1])
+
+
+def test_rope_attention_bad_input():
+    B, NH, KVH, D, S = 1, 4, 2, 16, 32
+    qkv, qn, kn, cos, sin, pos, kc, vc = _rope_inputs(B, NH, KVH, D, S, torch.float32)
+    lens = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="seq_lens: expected length 1"):
+        A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens.repeat(2), kc, vc, num_heads=NH, scale=0.25)
+    with pytest.raises(TypeError, match="seq_lens"):
+        A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens.float(), kc, vc, num_heads=NH, scale=0.25)
+    with pytest.raises(ValueError, match="num_heads"):
+        A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=3, scale=0.25)
+    with pytest.raises(ValueError, match="scale"):
+        A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=NH, scale=-1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_launch", ["1", "0"])
+def test_rope_attention_real_shapes_in_graph(cuda, monkeypatch, one_launch):
+    """Qwen3-30B-A3B heads, batch 3, a 4096 cache: the fused op in a CUDA graph replayed at moving
+    positions equals the two-step path (caches bit for bit apart from one-ulp norm differences)."""
+    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", one_launch)
+    B, NH, KVH, D, S = 3, 32, 4, 128, 4096
+    qkv, qn, kn, cos, sin, _, kc, vc = _rope_inputs(B, NH, KVH, D, S, torch.bfloat16, cuda)
+    pos = torch.tensor([5, 500, 4000], device=cuda)
+    lens = (pos + 1).to(torch.int32)
+    kc2, vc2 = kc.clone(), vc.clone()
+    A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=NH, scale=D ** -0.5)  # compile
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_g = A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=NH, scale=D ** -0.5)
+    for step in range(40):
+        qkv.copy_(torch.randn_like(qkv))
+        g.replay()
+        two = _rope_then_attend(qkv, qn, kn, cos, sin, pos, lens, kc2, vc2, NH, D ** -0.5)
+        torch.testing.assert_close(out_g.float(), two.float(), atol=1e-2, rtol=8e-3)
+        torch.testing.assert_close(kc.float(), kc2.float(), atol=0, rtol=2 ** -7)
+        assert torch.equal(vc, vc2)
+        pos += 1 + step % 3
+        lens.copy_(pos + 1)

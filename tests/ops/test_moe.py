@@ -804,3 +804,32 @@ def test_gpu_route_hidden_shared_gate_qwen35_shapes(cuda):
     logit_max = float((x.float() @ router.float().t()).abs().max())
     ulp = 2.0 ** (torch.tensor(logit_max).log2().floor().item() - 7)
     torch.testing.assert_close(w[same], w_ref[same], rtol=2 * ulp, atol=1e-6)
+
+
+def test_gemv_tile_env_override(monkeypatch):
+    """EMBER_MOE_GATE_UP_TILE / EMBER_MOE_DOWN_TILE (decode-step sweeps) replace the v1 T=1 tiles, and a
+    malformed value names the variable."""
+    from ember import _dispatch
+    K = _dispatch.kernels("moe")
+    monkeypatch.setenv("EMBER_MOE_DOWN_TILE", "16,128,4")
+    cfg = K._config("gemv_down", torch.device("cpu"))
+    assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (16, 128, 4)
+    assert K._config("gemv_gate_up", torch.device("cpu")) == K.CPU_CONFIG["gemv_gate_up"]
+    monkeypatch.setenv("EMBER_MOE_GATE_UP_TILE", "4,x,2")
+    with pytest.raises(ValueError, match="EMBER_MOE_GATE_UP_TILE"):
+        K._config("gemv_gate_up", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tile", ["8,128,2", "4,64,1"])
+def test_t1_with_overridden_tiles_interpreter(interpreter, monkeypatch, tile):
+    """The T=1 GEMVs give the reference result with other tiles (what the step sweep runs)."""
+    monkeypatch.setenv("EMBER_MOE_GATE_UP_TILE", tile)
+    monkeypatch.setenv("EMBER_MOE_DOWN_TILE", tile)
+    torch.manual_seed(0)
+    E, H, I, k = 8, 256, 192, 2
+    x = torch.randn(1, H)
+    wgu, wd = torch.randn(E, 2 * I, H) / 16, torch.randn(E, H, I) / 16
+    logits = torch.randn(1, E)
+    got = ember.ops.moe(x, logits, wgu, wd, k, renormalize=True)
+    want = moe_ops.moe_reference(x, logits, wgu, wd, k, renormalize=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

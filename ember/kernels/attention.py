@@ -383,7 +383,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out, rope: tuple | No
         cnt, out, qkv, qkv.stride(0), qn, kn, cos, sin, cos.stride(0), positions, float(eps),
         NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), GC=gc, BLOCK_N=block_n,
         NSPLIT=nsplit, NSB=nsb, IEEE=out.dtype == torch.float32, FUSED_COMBINE=fused, ROPE=rope is not None,
-        PREFETCH=rope is not None and os.environ.get("EMBER_ATTN_PREFETCH", "1") == "1", num_warps=4, **pdl)
+        PREFETCH=rope is not None and os.environ.get("EMBER_ATTN_PREFETCH", "1") == "1",
+        num_warps=int(os.environ.get("EMBER_ATTN_SPLIT_WARPS", "4")), **pdl)  # env: decode-step sweeps
     if not fused:
         _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1,
                                                   **pdl)

@@ -14,6 +14,7 @@ as ``a_ptr + k * stride_ak`` (any stride). One launch, no split-K, no shared mem
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -159,7 +160,11 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
 # lm_head 151936 x 2048 (16, 8, 8, SR) 138.2 us, the byte rule's (8, 2, 4) not among the 8 best
 # (> 139.0). Only 1-2%: 16 chunks in flight did not lift o_proj towards its 4.04 us floor, so the
 # missing time is per-launch latency, not too few bytes in flight.
-MEASURED_2BYTE = {(2048, 4096): (8, 16, 8, True), (5120, 2048): (4, 4, 4, True),
+# Re-swept inside the decode step (bench/step_variants.py --variants bench/sweeps/step_tiles_b1.json,
+# bench/results/h200/step_tiles_b1.json; step ms at a 400 cache, default 2.389): qkv (2, 4, 1, SR) 2.348,
+# best of 12 (one warp, two rows per program: 2560 programs); o_proj and lm_head: no tile beat the
+# ones above by more than the 0.005 ms run-to-run spread.
+MEASURED_2BYTE = {(2048, 4096): (8, 16, 8, True), (5120, 2048): (2, 4, 1, True),
                   (151936, 2048): (16, 8, 8, True)}
 # Unscaled weights on CUDA: the GEMV takes rows of at most this many bytes with the byte rule below,
 # and the swept shapes above. H200, bf16, M=1, graph-timed against F.linear in the same run (ember bench
@@ -229,6 +234,22 @@ def gemv_config(N: int, K: int, elsize: int, k_blocked: bool = False) -> dict:
 
 
 # ----------------------------------------------------------------------------- launchers
+def env_config(N: int, K: int) -> dict | None:
+    """The tile ``EMBER_GEMV_TILES`` sets for an N x K weight (decode-step sweeps; read per call):
+    ``"NxK=BLOCK_N,CHUNKS,num_warps,STEP_REDUCE;..."``, e.g. ``"2048x4096=8,16,8,1"``."""
+    env = os.environ.get("EMBER_GEMV_TILES", "")
+    for item in filter(None, env.split(";")):
+        shape, _, tile = item.partition("=")
+        fields = tile.split(",")
+        if "x" not in shape or len(fields) != 4 or not all(f.strip().isdigit() for f in fields + shape.split("x")):
+            raise ValueError(f"EMBER_GEMV_TILES: expected 'NxK=BLOCK_N,CHUNKS,num_warps,STEP_REDUCE;...', got {item!r}")
+        if tuple(int(v) for v in shape.split("x")) == (N, K):
+            bn, chunks, warps, step_reduce = (int(f) for f in fields)
+            return dict(GEMV=True, BLOCK_N=bn, CHUNKS=chunks, KW=ROW_BYTES // 2, num_warps=warps,
+                        STEP_REDUCE=bool(step_reduce))
+    return None
+
+
 def launch(a: torch.Tensor, stride_ak: int, b: torch.Tensor, stride_bn: int, N: int, K: int,
            out: torch.Tensor, stride_on: int, bias: torch.Tensor | None, cfg: dict, *,
            scale_a: torch.Tensor | None = None, stride_sak: int = 0,
@@ -270,5 +291,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     N, K = weight.shape
     if out is None:
         out = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
-    cfg = config or gemv_config(N, K, weight.element_size())
+    cfg = config or (weight.element_size() == 2 and env_config(N, K)) or gemv_config(N, K, weight.element_size())
     return launch(x, x.stride(-1), weight, weight.stride(0), N, K, out, 1, bias, cfg, add_norm=add_norm)

@@ -666,15 +666,21 @@ def _config(name: str, device: torch.device, act_bytes: int = 2) -> dict:
         return dict(GPU_PREFILL_LARGE_SMEM)
     cfg = dict((GPU_CONFIG if device.type == "cuda" else CPU_CONFIG)[name])
     env = os.environ.get(GEMV_ENV.get(name, ""), "") if name in GEMV_ENV else ""
-    if env:  # decode-step sweeps (bench/step_variants.py): the v1 T=1 tiles, read per call
+    if env:  # decode-step sweeps (bench/step_variants.py), read per call
         fields = env.split(",")
-        if len(fields) != 3 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
-            raise ValueError(f"{GEMV_ENV[name]}: expected 'BLOCK_N,BLOCK_K,num_warps' (positive integers), got {env!r}")
+        n = 4 if "num_stages" in cfg else 3
+        if len(fields) != n or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(f"{GEMV_ENV[name]}: expected 'BLOCK_N,BLOCK_K,num_warps{',num_stages' if n == 4 else ''}' "
+                             f"(positive integers), got {env!r}")
         cfg.update(BLOCK_N=int(fields[0]), BLOCK_K=int(fields[1]), num_warps=int(fields[2]))
+        if n == 4:
+            cfg.update(num_stages=int(fields[3]))
     return cfg
 
 
-GEMV_ENV = {"gemv_gate_up": "EMBER_MOE_GATE_UP_TILE", "gemv_down": "EMBER_MOE_DOWN_TILE"}
+# tile overrides for decode-step sweeps: the v1 T=1 GEMVs and the 2..16-token grouped kernels
+GEMV_ENV = {"gemv_gate_up": "EMBER_MOE_GATE_UP_TILE", "gemv_down": "EMBER_MOE_DOWN_TILE",
+            "grouped_decode": "EMBER_MOE_GROUPED_DECODE_TILE"}
 
 
 def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None):
@@ -741,7 +747,16 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     # A top-k by parallel rank counting (one [E, E] compare-and-count instead of the 8 dependent
     # max/argmin reductions) measured no faster in the decode step (2.734 vs 2.727 ms), so the
     # serial picks stay.
-    block_r = 2
+    # 4 router rows per program from 128 experts on (32 programs a token): H200 Qwen3-30B-A3B decode
+    # step 2.365 vs 2.389 ms at batch 1, 7.64 vs 7.68 at batch 8 (step_tiles_b1/b8.json; 1 or 2 rows,
+    # 2 or 8 warps were slower); fewer experts (LFM2's 32) keep 2 rows (not re-measured)
+    block_r, warps = (4 if E >= 128 else 2), 4
+    env = os.environ.get("EMBER_ROUTER_TILE", "")  # "BLOCK_R,num_warps": decode-step sweeps
+    if env:
+        fields = env.split(",")
+        if len(fields) != 2 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(f"EMBER_ROUTER_TILE: expected 'BLOCK_R,num_warps' (positive integers), got {env!r}")
+        block_r, warps = int(fields[0]), int(fields[1])
     block_h = min(4096 if x.device.type == "cuda" else 32, triton.next_power_of_2(H))
     n_prog = triton.cdiv(E, block_r)
     bias = expert_bias.float().contiguous() if expert_bias is not None else logits
@@ -752,7 +767,7 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
         TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
-        num_warps=4, **pdl_options(x.device))
+        num_warps=warps, **pdl_options(x.device))
     return w, ids
 
 

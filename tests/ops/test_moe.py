@@ -546,6 +546,22 @@ def test_route_hidden_kernel_interpreter(interpreter, dtype, T, e, h, k):
     assert int(arrival_counters("moe_router", x.device, T)[:T].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("tile", ["1,1", "4,2"])
+def test_route_hidden_router_tile_env_interpreter(interpreter, monkeypatch, tile):
+    """EMBER_ROUTER_TILE (decode-step sweeps): other rows per program give the same routing."""
+    from ember.kernels import moe as kmod
+    monkeypatch.setenv("EMBER_ROUTER_TILE", tile)
+    router = torch.randn(60, 100) / 10
+    x = torch.randn(3, 100)
+    w, ids = kmod.route_hidden(x, router, 4, True)
+    w64, ids64 = float64_route_hidden(x, router, 4)
+    assert torch.equal(ids.long(), ids64)
+    assert_close(w, w64.float())
+    monkeypatch.setenv("EMBER_ROUTER_TILE", "2")
+    with pytest.raises(ValueError, match="EMBER_ROUTER_TILE"):
+        kmod.route_hidden(x, router, 4, True)
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_route_hidden_ties_go_to_the_lower_index_interpreter(interpreter, scoring):
     """Duplicated router rows give bit-equal logits: the lower expert index is ranked first, as in
@@ -818,6 +834,12 @@ def test_gemv_tile_env_override(monkeypatch):
     monkeypatch.setenv("EMBER_MOE_GATE_UP_TILE", "4,x,2")
     with pytest.raises(ValueError, match="EMBER_MOE_GATE_UP_TILE"):
         K._config("gemv_gate_up", torch.device("cpu"))
+    monkeypatch.setenv("EMBER_MOE_GROUPED_DECODE_TILE", "32,64,2,4")
+    cfg = K._config("grouped_decode", torch.device("cpu"))
+    assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]) == (32, 64, 2, 4)
+    monkeypatch.setenv("EMBER_MOE_GROUPED_DECODE_TILE", "32,64,2")
+    with pytest.raises(ValueError, match="num_stages"):
+        K._config("grouped_decode", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("tile", ["8,128,2", "4,64,1"])

@@ -1,8 +1,10 @@
 """Triton kernels for decode attention: fused q/k RMSNorm + RoPE + KV-cache write (alone, or behind the
 qkv projection GEMV: opt-in; H200 Qwen3-30B-A3B decode step 3.24 ms with it vs 3.09 without, its
 40 programs each stream a 512 KB head slab in serial K steps), and split-sequence attention over the
-live part of a static cache followed by a combine (by default in the same launch, by the last live split
-program of each (row, kv head); EMBER_ATTN_ONE_LAUNCH=0: a second launch)."""
+live part of a static cache followed by a combine (from 16 splits in the same launch, by the last live
+split program of each (row, kv head); EMBER_ATTN_ONE_LAUNCH=0: a second launch). The split kernel can
+also take q, k, v raw from the qkv projection and do the norm / RoPE / cache write itself (ROPE;
+opt-in, measured slower: ARCHITECTURE.md)."""
 from __future__ import annotations
 
 import os

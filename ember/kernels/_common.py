@@ -1,6 +1,8 @@
 """Small helpers shared by kernel families: @triton.jit math, the arrival counters of the
-"last program to arrive finishes the work" kernels, and programmatic dependent launch."""
+"last program to arrive finishes the work" kernels, programmatic dependent launch, and the tile
+overrides read from the environment for decode-step sweeps."""
 import functools
+import os
 
 import torch
 import triton
@@ -9,6 +11,22 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ember import _dispatch
+
+def parse_ints(var: str, text: str, names: str, minimum: int = 1) -> tuple[int, ...]:
+    """``text``, one integer >= ``minimum`` per comma-separated field of ``names``, else a ValueError
+    naming ``var`` (the environment variable or entry it came from) and the expected fields."""
+    fields = text.split(",")
+    if len(fields) != len(names.split(",")) or not all(f.strip().isdigit() and int(f) >= minimum for f in fields):
+        raise ValueError(f"{var}: expected '{names}' (integers >= {minimum}), got {text!r}")
+    return tuple(int(f) for f in fields)
+
+
+def env_ints(var: str, names: str) -> tuple[int, ...] | None:
+    """The tile override in environment variable ``var`` (``parse_ints``), read per call so that a
+    decode-step sweep (bench/step_variants.py) can set it per captured variant; None when unset."""
+    text = os.environ.get(var, "")
+    return parse_ints(var, text, names) if text else None
+
 
 # Arrival counters, per (purpose, device, stream): zero between launches (the program that arrives
 # last resets its slot), so no memset launch per call. If the first use is during CUDA-graph

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, pdl_options, pdl_start, round_to
+from ember.kernels._common import arrival_counters, env_ints, pdl_options, pdl_start, round_to
 
 
 @triton.jit
@@ -386,7 +386,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out, rope: tuple | No
         NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), GC=gc, BLOCK_N=block_n,
         NSPLIT=nsplit, NSB=nsb, IEEE=out.dtype == torch.float32, FUSED_COMBINE=fused, ROPE=rope is not None,
         PREFETCH=rope is not None and os.environ.get("EMBER_ATTN_PREFETCH", "1") == "1",
-        num_warps=int(os.environ.get("EMBER_ATTN_SPLIT_WARPS", "4")), **pdl)  # env: decode-step sweeps
+        num_warps=(env_ints("EMBER_ATTN_SPLIT_WARPS", "num_warps") or (4,))[0], **pdl)
     if not fused:
         _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1,
                                                   **pdl)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import pdl_options, pdl_start, residual_sum, round_to
+from ember.kernels._common import parse_ints, pdl_options, pdl_start, residual_sum, round_to
 
 SCALE_BLOCK = 128  # fp8 block scales: 128x128 weight blocks, 1x128 activation blocks
 ROW_BYTES = 512  # K bytes one warp loads per row and step: 32 threads x 16-byte vectors
@@ -240,11 +240,12 @@ def env_config(N: int, K: int) -> dict | None:
     env = os.environ.get("EMBER_GEMV_TILES", "")
     for item in filter(None, env.split(";")):
         shape, _, tile = item.partition("=")
-        fields = tile.split(",")
-        if "x" not in shape or len(fields) != 4 or not all(f.strip().isdigit() for f in fields + shape.split("x")):
-            raise ValueError(f"EMBER_GEMV_TILES: expected 'NxK=BLOCK_N,CHUNKS,num_warps,STEP_REDUCE;...', got {item!r}")
-        if tuple(int(v) for v in shape.split("x")) == (N, K):
-            bn, chunks, warps, step_reduce = (int(f) for f in fields)
+        var = f"EMBER_GEMV_TILES entry {item!r}"
+        n_k = parse_ints(var, shape.replace("x", ",", 1), "N,K")
+        bn, chunks, warps, step_reduce = parse_ints(var, tile, "BLOCK_N,CHUNKS,num_warps,STEP_REDUCE", minimum=0)
+        if min(bn, chunks, warps) < 1:
+            raise ValueError(f"{var}: expected BLOCK_N, CHUNKS and num_warps >= 1")
+        if n_k == (N, K):
             return dict(GEMV=True, BLOCK_N=bn, CHUNKS=chunks, KW=ROW_BYTES // 2, num_warps=warps,
                         STEP_REDUCE=bool(step_reduce))
     return None

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, pdl_options, pdl_start, residual_inv_rms, residual_sum, round_to
+from ember.kernels._common import arrival_counters, env_ints, pdl_options, pdl_start, residual_inv_rms, residual_sum, round_to
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -665,16 +665,10 @@ def _config(name: str, device: torch.device, act_bytes: int = 2) -> dict:
     if name == "grouped_prefill" and device.type == "cuda" and act_bytes <= 2 and _large_smem(device):
         return dict(GPU_PREFILL_LARGE_SMEM)
     cfg = dict((GPU_CONFIG if device.type == "cuda" else CPU_CONFIG)[name])
-    env = os.environ.get(GEMV_ENV.get(name, ""), "") if name in GEMV_ENV else ""
-    if env:  # decode-step sweeps (bench/step_variants.py), read per call
-        fields = env.split(",")
-        n = 4 if "num_stages" in cfg else 3
-        if len(fields) != n or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
-            raise ValueError(f"{GEMV_ENV[name]}: expected 'BLOCK_N,BLOCK_K,num_warps{',num_stages' if n == 4 else ''}' "
-                             f"(positive integers), got {env!r}")
-        cfg.update(BLOCK_N=int(fields[0]), BLOCK_K=int(fields[1]), num_warps=int(fields[2]))
-        if n == 4:
-            cfg.update(num_stages=int(fields[3]))
+    names = "BLOCK_N,BLOCK_K,num_warps" + (",num_stages" if "num_stages" in cfg else "")
+    tile = env_ints(GEMV_ENV[name], names) if name in GEMV_ENV else None
+    if tile is not None:  # decode-step sweeps (bench/step_variants.py)
+        cfg.update(zip(names.split(","), tile))
     return cfg
 
 
@@ -750,13 +744,7 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     # 4 router rows per program from 128 experts on (32 programs a token): H200 Qwen3-30B-A3B decode
     # step 2.365 vs 2.389 ms at batch 1, 7.64 vs 7.68 at batch 8 (step_tiles_b1/b8.json; 1 or 2 rows,
     # 2 or 8 warps were slower); fewer experts (LFM2's 32) keep 2 rows (not re-measured)
-    block_r, warps = (4 if E >= 128 else 2), 4
-    env = os.environ.get("EMBER_ROUTER_TILE", "")  # "BLOCK_R,num_warps": decode-step sweeps
-    if env:
-        fields = env.split(",")
-        if len(fields) != 2 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
-            raise ValueError(f"EMBER_ROUTER_TILE: expected 'BLOCK_R,num_warps' (positive integers), got {env!r}")
-        block_r, warps = int(fields[0]), int(fields[1])
+    block_r, warps = env_ints("EMBER_ROUTER_TILE", "BLOCK_R,num_warps") or ((4 if E >= 128 else 2), 4)
     block_h = min(4096 if x.device.type == "cuda" else 32, triton.next_power_of_2(H))
     n_prog = triton.cdiv(E, block_r)
     bias = expert_bias.float().contiguous() if expert_bias is not None else logits

@@ -144,10 +144,16 @@ def _validate_attention(q, k_cache, v_cache, seq_lens, scale):
         raise ValueError(f"q: expected a multiple of the cache's {kvh} kv heads, got {NH} heads")
     if B > k_cache.shape[0]:
         raise ValueError(f"q: expected at most {k_cache.shape[0]} rows (the cache's batch), got {B}")
+    _checks.same_device(q=q, k_cache=k_cache, v_cache=v_cache)
+    return _validate_lengths_scale("q", q, seq_lens, scale)
+
+
+def _validate_lengths_scale(rows_name, rows, seq_lens, scale):
+    """seq_lens [B] (one per row of ``rows``, on its device) and a positive scale, which it returns."""
     _checks.tensor("seq_lens", seq_lens, dtypes=_INT_DTYPES, ndim=1)
-    if seq_lens.shape[0] != B:
-        raise ValueError(f"seq_lens: expected length {B} (rows of q), got {seq_lens.shape[0]}")
-    _checks.same_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens)
+    if seq_lens.shape[0] != rows.shape[0]:
+        raise ValueError(f"seq_lens: expected length {rows.shape[0]} (rows of {rows_name}), got {seq_lens.shape[0]}")
+    _checks.same_device(**{rows_name: rows, "seq_lens": seq_lens})
     return _checks.positive_float("scale", scale)
 
 
@@ -423,11 +429,7 @@ def qk_norm_rope_attention(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torc
         ...     torch.ones(D), cos, sin, torch.tensor([3]), torch.tensor([4]), kc, vc, num_heads=NH, scale=0.25)
     """
     eps = _validate_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
-    _checks.tensor("seq_lens", seq_lens, dtypes=_INT_DTYPES, ndim=1)
-    if seq_lens.shape[0] != qkv.shape[0]:
-        raise ValueError(f"seq_lens: expected length {qkv.shape[0]} (rows of qkv), got {seq_lens.shape[0]}")
-    _checks.same_device(qkv=qkv, seq_lens=seq_lens)
-    scale = _checks.positive_float("scale", scale)
+    scale = _validate_lengths_scale("qkv", qkv, seq_lens, scale)
     if _dispatch.compiling():
         return _rope_attention_op(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache, num_heads,
                                   eps, scale)

@@ -68,6 +68,8 @@ MAX_PROGRAMS_PER_ROW = 128
 MIN_CHUNK = 1024          # split rows: at least this many elements per program
 CAP = 512                 # candidate list per row (top-k / top-p path)
 TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
+RANK_CAP = 128            # up to this many candidates: thresholds by counting, not by a sort
+RANK_JB = 32              # columns of the [rows, RANK_JB] comparison tile of the counting
 INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
 # grid barrier: every launch adds exactly BARRIER_GEN to the counter (module docstring of
 # _softmax_one_launch_kernel), so it is a multiple of BARRIER_GEN between launches
@@ -539,6 +541,28 @@ def _kth_largest(vals, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _count_above(vals, ptr, n, BLOCK: tl.constexpr, JB: tl.constexpr):
+    """For each of ``vals`` ([BLOCK]): how many of the n values at ``ptr`` are strictly larger.
+
+    The values are read again from memory (".cg": other programs of the launch wrote them) JB at
+    a time, so the comparison tile is [BLOCK, JB], not [BLOCK, BLOCK] registers."""
+    above = tl.zeros([BLOCK], tl.int32)
+    for j0 in tl.static_range(0, BLOCK, JB):
+        j = j0 + tl.arange(0, JB)
+        vj = tl.load(ptr + j, mask=j < n, other=-float("inf"), cache_modifier=".cg")
+        above += tl.sum((vj[None, :] > vals[:, None]).to(tl.int32), axis=1)
+    return above
+
+
+@triton.jit
+def _kth_largest_ranked(vals, ptr, n, k, BLOCK: tl.constexpr, JB: tl.constexpr):
+    """What ``_kth_largest`` gives, without a sort: the smallest value with fewer than k values
+    above it (``vals`` are the n values at ``ptr``, -inf padded to BLOCK; 1 <= k)."""
+    above = _count_above(vals, ptr, n, BLOCK, JB)
+    return tl.min(tl.where(above < k, vals, float("inf")), axis=0)
+
+
+@triton.jit
 def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off,
                               BLOCK: tl.constexpr):
     """Exact thresholds by bisection on the ordered int32 key of z, with passes over the row."""
@@ -626,12 +650,17 @@ def _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _candidate_bound(chunk_max, k, p, P, V, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr):
+def _candidate_bound(chunk_max, m_row_ptr, k, p, P, V, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
+                     RANKED: tl.constexpr, JB: tl.constexpr):
     """Lower bound L on the final threshold from the chunk maxima (module docstring): the k-th largest
     chunk max for top-k, the KC-th largest for top-p alone; +inf (fallback) when k > P; -inf for a
-    row short enough to take whole."""
+    row short enough to take whole. RANKED: by counting (``_kth_largest_ranked``, the maxima read
+    again from ``m_row_ptr``) instead of sorting them."""
     rank = tl.where(k > 0, tl.minimum(k, PB), tl.minimum(P, KC))
-    L = _kth_largest(chunk_max, rank, PB)
+    if RANKED:
+        L = _kth_largest_ranked(chunk_max, m_row_ptr, P, rank, PB, JB)
+    else:
+        L = _kth_largest(chunk_max, rank, PB)
     L = tl.where((k > 0) & (k > P), float("inf"), L)
     return tl.where(V <= CAP, -float("inf"), L)
 
@@ -648,28 +677,68 @@ def _append_candidates(z, cols, inb, L, n_ptr, cand_z_ptr, cand_i_ptr, row, CAP:
 
 
 @triton.jit
-def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr, seed, off,
-                     CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr):
-    """The row's token from its n candidates (every value >= L): sort them, read tau_k and tau_p off
-    the sorted prefix sums, race the survivors; the exact bisection over the row when the list
-    overflowed or cannot decide top-p."""
-    i = tl.arange(0, CAP)
-    cz = tl.load(cand_z_ptr + row * CAP + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
-    ci = tl.load(cand_i_ptr + row * CAP + i, mask=i < n, other=0, cache_modifier=".cg")
+def _thresholds_sorted(cz, k, p, M, Z, BLOCK: tl.constexpr):
+    """(tau, candidate mass) from the candidates ``cz`` ([BLOCK], -inf padded): sort them, read tau_k
+    and tau_p off the sorted prefix sums."""
+    i = tl.arange(0, BLOCK)
     srt = tl.sort(cz, descending=True)
     e = tl.exp(srt - M)
     tau_k = tl.max(tl.where(i == k - 1, srt, -float("inf")), axis=0)   # -inf when k == 0
     ek = tl.where(srt >= tau_k, e, 0.0)
     mass_k = tl.where(k > 0, tl.sum(ek, axis=0), Z)
-    # top-k: the candidates hold every value >= L <= tau_k. top-p alone: they hold all the mass
-    # above L, so the nucleus is decided iff that mass reaches p
-    complete = tl.where(k > 0, L < float("inf"), (tl.sum(e, axis=0) >= p * Z) | (V <= CAP))
-    complete = complete & (n <= CAP)
     # mass strictly before each sorted position; the nucleus ends at the last one < p
     before = tl.cumsum(ek, axis=0) - ek
     in_p = (before < p * mass_k) & (srt >= tau_k)
     tau_p = tl.min(tl.where(in_p, srt, float("inf")), axis=0)
-    tau = tl.where(p < 1.0, tau_p, tau_k)
+    return tl.where(p < 1.0, tau_p, tau_k), tl.sum(e, axis=0)
+
+
+@triton.jit
+def _thresholds_ranked(cz_ptr, n, k, p, M, Z, BLOCK: tl.constexpr, JB: tl.constexpr):
+    """``_thresholds_sorted`` without the sort, for few candidates (n <= BLOCK, read from ``cz_ptr``):
+    tau_k is the smallest candidate with fewer than k candidates above it, and the mass above a
+    candidate (what the sorted prefix sum gives at the first of its ties) is summed over the
+    candidates larger than it, JB at a time."""
+    i = tl.arange(0, BLOCK)
+    cz = tl.load(cz_ptr + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
+    e = tl.exp(cz - M)
+    tau_k = tl.min(tl.where(_count_above(cz, cz_ptr, n, BLOCK, JB) < k, cz, float("inf")), axis=0)
+    tau_k = tl.where(k > 0, tau_k, -float("inf"))
+    ek = tl.where(cz >= tau_k, e, 0.0)
+    mass_k = tl.where(k > 0, tl.sum(ek, axis=0), Z)
+    before = tl.zeros([BLOCK], tl.float32)
+    for j0 in tl.static_range(0, BLOCK, JB):
+        j = j0 + tl.arange(0, JB)
+        zj = tl.load(cz_ptr + j, mask=j < n, other=-float("inf"), cache_modifier=".cg")
+        ej = tl.where(zj >= tau_k, tl.exp(zj - M), 0.0)
+        before += tl.sum(tl.where(zj[None, :] > cz[:, None], ej[None, :], 0.0), axis=1)
+    in_p = (before < p * mass_k) & (cz >= tau_k)
+    tau_p = tl.min(tl.where(in_p, cz, float("inf")), axis=0)
+    return tl.where(p < 1.0, tau_p, tau_k), tl.sum(e, axis=0)
+
+
+@triton.jit
+def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr, seed, off,
+                     CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr,
+                     RANK_JB: tl.constexpr):
+    """The row's token from its n candidates (every value >= L): the thresholds tau_k and tau_p from
+    the candidates (counted when n <= RANK_CAP, sorted otherwise; RANK_CAP 0: always sorted), then
+    race the survivors; the
+    exact bisection over the row when the list overflowed or cannot decide top-p."""
+    i = tl.arange(0, CAP)
+    cz = tl.load(cand_z_ptr + row * CAP + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
+    ci = tl.load(cand_i_ptr + row * CAP + i, mask=i < n, other=0, cache_modifier=".cg")
+    if RANK_CAP > 0:
+        if n <= RANK_CAP:
+            tau, cand_mass = _thresholds_ranked(cand_z_ptr + row * CAP, n, k, p, M, Z, RANK_CAP, RANK_JB)
+        else:
+            tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, CAP)
+    else:
+        tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, CAP)
+    # top-k: the candidates hold every value >= L <= tau_k. top-p alone: they hold all the mass
+    # above L, so the nucleus is decided iff that mass reaches p
+    complete = tl.where(k > 0, L < float("inf"), (cand_mass >= p * Z) | (V <= CAP))
+    complete = complete & (n <= CAP)
     keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
     key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
     w = tl.argmax(key, axis=0)
@@ -686,7 +755,8 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                    T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                    MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr,
                    CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                   FALLBACK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                   FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr, RANK_JB: tl.constexpr,
+                   BOUND_JB: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -710,12 +780,12 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                 packed = tl.atomic_max(best_ptr + row, INT64_MIN)
                 tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
         else:
-            L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
+            L = _candidate_bound(chunk_max, m_ptr + row * P, k, p, P, V, PB, CAP, KC, RANK_CAP > 0, BOUND_JB)
             _append_candidates(z, cols, inb, L, done_ptr + 1, cand_z_ptr, cand_i_ptr, row, CAP)
             if tl.atomic_add(done_ptr, 1) == P - 1:
                 n = tl.atomic_add(done_ptr + 1, 0)
                 tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
-                                       seed, off, CAP, FALLBACK_BLOCK)
+                                       seed, off, CAP, FALLBACK_BLOCK, RANK_CAP, RANK_JB)
                 tl.store(out_ptr + row, tok.to(tl.int64))
 
 
@@ -749,7 +819,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
                               T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                               MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
                               CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                              FALLBACK_BLOCK: tl.constexpr, LD_POLL: tl.constexpr = False,
+                              FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr, RANK_JB: tl.constexpr,
+                              BOUND_JB: tl.constexpr, LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
@@ -808,14 +879,14 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
             tl.store(cnt_ptr + row, 0)
             tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
     else:
-        L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
+        L = _candidate_bound(chunk_max, m_ptr + row * P, k, p, P, V, PB, CAP, KC, RANK_CAP > 0, BOUND_JB)
         _append_candidates(z, cols, inb, L, ncand_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP)
         tl.debug_barrier()  # the candidate stores precede the release below
         if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:
             tl.debug_barrier()
             n = tl.atomic_add(ncand_ptr + row, 0)
             tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
-                                   seed, off, CAP, FALLBACK_BLOCK)
+                                   seed, off, CAP, FALLBACK_BLOCK, RANK_CAP, RANK_JB)
             tl.store(cnt_ptr + row, 0)
             tl.store(ncand_ptr + row, 0)
             tl.store(out_ptr + row, tok.to(tl.int64))
@@ -1139,6 +1210,21 @@ def _sampling_args(temperature, top_k, top_p, min_p, seed, dummy: torch.Tensor) 
     return args, dict(flags, SEED_MODE=seed_mode)
 
 
+def rank_cap() -> int:
+    """Candidates the row's last program ranks by counting instead of sorting: RANK_CAP, or
+    ``EMBER_SAMPLING_RANK_CAP`` (0: sort always, and sort the chunk maxima for the bound too; A/B)."""
+    v = int(os.environ.get("EMBER_SAMPLING_RANK_CAP", RANK_CAP))
+    if v and (v & (v - 1) or not 16 <= v <= CAP):
+        raise ValueError(f"EMBER_SAMPLING_RANK_CAP: expected 0 or a power of 2 in [16, {CAP}], got {v}")
+    return v
+
+
+def _rank_flags(cap: int, PB: int) -> dict:
+    """RANK_CAP / RANK_JB / BOUND_JB constexprs of the sample kernels for a candidate list of ``cap``."""
+    rc = min(rank_cap(), cap)
+    return dict(RANK_CAP=rc, RANK_JB=min(RANK_JB, max(rc, 1)), BOUND_JB=min(RANK_JB, PB))
+
+
 def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset) -> None:
     """One token per row into int64 ``out``; parameters are Python scalars or per-row tensors (validated).
 
@@ -1166,7 +1252,7 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
                                    off_out, has_off))
     _sample_kernel[(B, P)](
         x2, x2.stride(0), V, P, m, s, a, out, *args, off_out, cnt, best, cand_z, cand_i, **flags,
-        CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, num_warps=_warps(chunk) * 2,
+        CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, **_rank_flags(cap, PB), num_warps=_warps(chunk) * 2,
         **pdl_options(x2.device))
 
 
@@ -1190,5 +1276,5 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
         offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0),
         barrier, count, ncand, cand_z, cand_i, spin_cap, **flags,
-        OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024,
+        OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, **_rank_flags(cap, PB),
         LD_POLL=dev.type == "cuda", num_warps=_warps(chunk) * 2, **pdl_options(dev))

@@ -1,0 +1,187 @@
+"""Where the one-launch sampler's microseconds go: per-stage timestamps and the counting-vs-sort A/B.
+
+1. Stages. A copy of ember/kernels/sampling.py is written to a temporary module with timestamps
+   (``%globaltimer`` ns, comparable across SMs, and ``%clock64`` cycles) stored by every program of
+   ``_sample_one_launch_kernel`` at: start, chunk statistics stored, barrier passed, row statistics
+   combined, candidate bound, candidates appended, arrival counted (and, in the row's last
+   program, candidate count read, token selected). The kernel is captured 20 times in a graph on
+   distinct inputs (as the bench times it) and the stamps of the last call are read back.
+2. A/B: graph-timed [1, 128256] fp32 sampling per EMBER_SAMPLING_RANK_CAP (0: the sorts) and mix,
+   tokens checked equal between the settings for the same seed and offset.
+
+    python bench/sampling_stages_probe.py [out.json]
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import ember
+from ember.bench import _timing, env_vars
+from ember.kernels import sampling as ks
+
+V = 128256
+STAGES = ("start", "stats_stored", "barrier_passed", "combined", "bound", "appended", "arrived",
+          "n_read", "selected")
+MIXES = {"t0.7_k50_p0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
+         "t0.7_k50": dict(temperature=0.7, top_k=50),
+         "t0.7_p0.9": dict(temperature=0.7, top_p=0.9),
+         "t0.7": dict(temperature=0.7),
+         "t0.7_minp0.05": dict(temperature=0.7, min_p=0.05)}
+
+_STAMP_FN = '''
+
+@triton.jit
+def _stamp(ptr, i, c):
+    g = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [c], dtype=tl.int64, is_pure=False, pack=1)
+    k = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [c], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(ptr + c * 18 + i * 2, g)
+    tl.store(ptr + c * 18 + i * 2 + 1, k)
+'''
+
+
+def _stamped_module():
+    """ember/kernels/sampling.py with stamps in the one-launch sampler (text patches, checked)."""
+    src = Path(ks.__file__).read_text()
+    head, kern = src.split("def _sample_one_launch_kernel(", 1)
+    kern, tail = kern.split("# ----------------------------------------------------------------------------- launch helpers", 1)
+    patches = [
+        ("cand_z_ptr, cand_i_ptr, spin_cap,", "cand_z_ptr, cand_i_ptr, spin_cap, stamp_ptr,"),
+        ("    pdl_start(PDL)\n", "    pdl_start(PDL)\n    _stamp(stamp_ptr, 0, tl.program_id(1))\n"),
+        ("    tl.debug_barrier()  # every thread's stores precede the release below\n",
+         "    tl.debug_barrier()  # every thread's stores precede the release below\n    _stamp(stamp_ptr, 1, c)\n"),
+        ("    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)\n",
+         "    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)\n    _stamp(stamp_ptr, 2, c)\n"),
+        ('    M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB, ".cg")\n',
+         '    M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB, ".cg")\n'
+         '    _stamp(stamp_ptr, 3, c + (M > 1e30).to(tl.int32))\n'),
+        ("RANK_CAP > 0, BOUND_JB)\n        _append", "RANK_CAP > 0, BOUND_JB)\n        _stamp(stamp_ptr, 4, c + (L > 1e30).to(tl.int32))\n        _append"),
+        ("        tl.debug_barrier()  # the candidate stores precede the release below\n",
+         "        tl.debug_barrier()  # the candidate stores precede the release below\n        _stamp(stamp_ptr, 5, c)\n"),
+        ("            n = tl.atomic_add(ncand_ptr + row, 0)\n",
+         "            _stamp(stamp_ptr, 6, c)\n            n = tl.atomic_add(ncand_ptr + row, 0)\n"
+         "            _stamp(stamp_ptr, 7, c + (n > 100000).to(tl.int32))\n"),
+        ("            tl.store(cnt_ptr + row, 0)\n            tl.store(ncand_ptr + row, 0)\n",
+         "            _stamp(stamp_ptr, 8, c + (tok > 1000000).to(tl.int32))\n"
+         "            tl.store(cnt_ptr + row, 0)\n            tl.store(ncand_ptr + row, 0)\n"),
+    ]
+    for old, new in patches:
+        assert kern.count(old) == 1, old
+        kern = kern.replace(old, new)
+    text = head + _STAMP_FN + "\n\n@triton.jit(do_not_specialize=[\"t_scalar\", \"k_scalar\", \"p_scalar\", \"mp_scalar\", \"seed_scalar\", \"offset_scalar\", \"spin_cap\"])\ndef _sample_one_launch_kernel(" + kern
+    # the decorator line above the original def was consumed by the split: drop the dangling copy
+    text = text.replace('@triton.jit(do_not_specialize=["t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar", "offset_scalar",\n                               "spin_cap"])\n' + _STAMP_FN, _STAMP_FN)
+    d = tempfile.mkdtemp()
+    path = Path(d) / "ember_sampling_stamped.py"
+    path.write_text(text + "# ---- launch helpers" + tail + "\n" + _LAUNCH)
+    spec = importlib.util.spec_from_file_location("ember_sampling_stamped", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_LAUNCH = '''
+def stamped_sample(x2, out, stamps, temperature, top_k, top_p, min_p, seed, offset):
+    B, V = x2.shape
+    chunk, P, PB = _split(V)
+    cap = min(CAP, max(16, triton.next_power_of_2(V)))
+    dev = x2.device
+    part = torch.empty((3, B, P), dtype=torch.float32, device=dev)
+    slots = torch.empty((B, P), dtype=torch.int64, device=dev)
+    cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
+    cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
+    barrier, count, _, ncand = _workspace(dev, B)
+    args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
+    _sample_one_launch_kernel[(B, P)](
+        x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
+        offset.view(-1), 0, barrier, count, ncand, cand_z, cand_i, SPIN_CAP, stamps, **flags,
+        OFFSET_TENSOR=True, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024,
+        **_rank_flags(cap, PB), LD_POLL=True, num_warps=_warps(chunk) * 2, **pdl_options(dev))
+'''
+
+
+def stages(mod, mix: dict, rank_cap: int) -> dict:
+    dev = torch.device("cuda")
+    xs = [torch.randn(1, V, device=dev) * 3 for _ in range(_timing.copies_to_exceed_l2(4 * V))]
+    P = ks._split(V)[1]
+    stamps = torch.zeros(P, 9, 2, dtype=torch.int64, device=dev)
+    seed = torch.tensor([7], device=dev)
+    off = torch.zeros(1, dtype=torch.int64, device=dev)
+    out = torch.empty(1, dtype=torch.int64, device=dev)
+    p = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | mix
+    with env_vars({"EMBER_SAMPLING_RANK_CAP": str(rank_cap)}):
+        run = lambda x: mod.stamped_sample(x, out, stamps, p["temperature"], p["top_k"], p["top_p"], p["min_p"], seed, off)
+        for x in xs:
+            run(x)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(20):
+                run(xs[i % len(xs)])
+        per_rep = []
+        for _ in range(30):
+            stamps.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            s = stamps.cpu()
+            # the 20th call's last program stamped the latest "selected"; stages 0-5 of that call
+            # overwrote the earlier calls' (every program stamps them)
+            last = int(torch.argmax(s[:, 8, 0])) if bool((s[:, 8, 0] != 0).any()) else None
+            g0 = int(s[:, 0, 0].min())
+            rep = {}
+            for i, name in enumerate(STAGES[:6]):
+                seen = s[:, i, 0][s[:, i, 0] != 0]
+                if seen.numel():
+                    rep[f"{name}_min_ns"], rep[f"{name}_max_ns"] = int(seen.min()) - g0, int(seen.max()) - g0
+            if last is not None:
+                c0 = int(s[last, 0, 1])
+                rep.update({f"last_{name}_cycles": int(s[last, i, 1]) - c0 for i, name in enumerate(STAGES) if s[last, i, 1]})
+                rep["last_selected_ns"] = int(s[last, 8, 0]) - g0
+            per_rep.append(rep)
+    keys = per_rep[0].keys()
+    return {k: statistics.median(r[k] for r in per_rep if k in r) for k in keys}
+
+
+def ab(mix: dict, caps=(0, 128)) -> dict:
+    dev = torch.device("cuda")
+    xs = [torch.randn(1, V, device=dev) * 3 for _ in range(_timing.copies_to_exceed_l2(4 * V))]
+    seed = torch.tensor([1234], device=dev)
+    res, toks = {}, {}
+    for cap in caps:
+        with env_vars({"EMBER_SAMPLING_RANK_CAP": str(cap)}):
+            off = torch.zeros(1, dtype=torch.int64, device=dev)
+            toks[cap] = torch.stack([ember.ops.sample(x, **mix, seed=seed, offset=torch.full((1,), i, device=dev))
+                                     for i, x in enumerate(xs)])
+            res[f"rank_cap_{cap}_us"] = _timing.graph_time_us(
+                [lambda x=x: ember.ops.sample(x, **mix, seed=seed, offset=off, check=False) for x in xs])
+    res["tokens_equal"] = all(torch.equal(toks[caps[0]], toks[c]) for c in caps)
+    return res
+
+
+def main(path: str | None = None) -> dict:
+    mod = _stamped_module()
+    out = {"ab": {}, "stages": {}}
+    for name, mix in MIXES.items():
+        out["ab"][name] = ab(mix)
+        print(name, out["ab"][name], flush=True)
+    for name in ("t0.7_k50_p0.9", "t0.7_p0.9", "t0.7"):
+        for cap in (0, 128):
+            key = f"{name}_rank_cap_{cap}"
+            out["stages"][key] = stages(mod, MIXES[name], cap)
+            print(key, out["stages"][key], flush=True)
+    out["note"] = ("stages: ns since the earliest program started (globaltimer; max/min over the 126 programs) and "
+                   "the last program's clock64 cycles since its own start; median of 30 graph replays of 20 calls")
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -64,7 +64,7 @@ def main(path: str | None = None) -> dict:
              for x in xs])
     print("floors", {k: round(v, 2) for k, v in res["floors"].items()}, flush=True)
 
-    barrier, count, _, _ = ks._workspace(torch.device("cuda"), 1)
+    barrier, count, _ = ks._workspace(torch.device("cuda"), 1)
     out = torch.empty(1, V, device="cuda")
     for chunk in (1024, 2048, 4096):
         P = triton.cdiv(V, chunk)

@@ -3,8 +3,8 @@
 1. Stages. A copy of ember/kernels/sampling.py is written to a temporary module with timestamps
    (``%globaltimer`` ns, comparable across SMs, and ``%clock64`` cycles) stored by every program of
    ``_sample_one_launch_kernel`` at: start, chunk statistics stored, barrier passed, row statistics
-   combined, candidate bound, candidates appended, arrival counted (and, in the row's last
-   program, candidate count read, token selected). The kernel is captured 20 times in a graph on
+   combined, candidate bound, candidates appended, arrival counted (programs holding candidates),
+   and in the row's finishing program: selection started, token selected. The kernel is captured 20 times in a graph on
    distinct inputs (as the bench times it) and the stamps of the last call are read back.
 2. A/B: graph-timed [1, 128256] fp32 sampling per EMBER_SAMPLING_RANK_CAP (0: the sorts) and mix,
    tokens checked equal between the settings for the same seed and offset.
@@ -28,7 +28,7 @@ from ember.kernels import sampling as ks
 
 V = 128256
 STAGES = ("start", "stats_stored", "barrier_passed", "combined", "bound", "appended", "arrived",
-          "n_read", "selected")
+          "finisher_start", "selected")
 MIXES = {"t0.7_k50_p0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
          "t0.7_k50": dict(temperature=0.7, top_k=50),
          "t0.7_p0.9": dict(temperature=0.7, top_p=0.9),
@@ -58,18 +58,19 @@ def _stamped_module():
          "    tl.debug_barrier()  # every thread's stores precede the release below\n    _stamp(stamp_ptr, 1, c)\n"),
         ("    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)\n",
          "    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)\n    _stamp(stamp_ptr, 2, c)\n"),
-        ('    M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB, ".cg")\n',
-         '    M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB, ".cg")\n'
+        ('    M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")\n',
+         '    M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")\n'
          '    _stamp(stamp_ptr, 3, c + (M > 1e30).to(tl.int32))\n'),
-        ("RANK_CAP > 0, BOUND_JB)\n        _append", "RANK_CAP > 0, BOUND_JB)\n        _stamp(stamp_ptr, 4, c + (L > 1e30).to(tl.int32))\n        _append"),
-        ("        tl.debug_barrier()  # the candidate stores precede the release below\n",
-         "        tl.debug_barrier()  # the candidate stores precede the release below\n        _stamp(stamp_ptr, 5, c)\n"),
-        ("            n = tl.atomic_add(ncand_ptr + row, 0)\n",
-         "            _stamp(stamp_ptr, 6, c)\n            n = tl.atomic_add(ncand_ptr + row, 0)\n"
-         "            _stamp(stamp_ptr, 7, c + (n > 100000).to(tl.int32))\n"),
-        ("            tl.store(cnt_ptr + row, 0)\n            tl.store(ncand_ptr + row, 0)\n",
+        ("RANK_CAP > 0)\n", "RANK_CAP > 0)\n        _stamp(stamp_ptr, 4, c + (L > 1e30).to(tl.int32))\n"),
+        ("            tl.debug_barrier()  # the candidate stores precede the release below\n",
+         "            tl.debug_barrier()  # the candidate stores precede the release below\n            _stamp(stamp_ptr, 5, c)\n"),
+        ("            n = (old & 0xFFFFFFFF).to(tl.int32)\n",
+         "            n = (old & 0xFFFFFFFF).to(tl.int32)\n            _stamp(stamp_ptr, 6, c + (n > 100000).to(tl.int32))\n"),
+        ("        if finish:\n            tl.debug_barrier()\n",
+         "        if finish:\n            tl.debug_barrier()\n            _stamp(stamp_ptr, 7, c)\n"),
+        ("            tl.store(cnt_ptr + row, 0)\n            tl.store(out_ptr + row, tok.to(tl.int64))\n",
          "            _stamp(stamp_ptr, 8, c + (tok > 1000000).to(tl.int32))\n"
-         "            tl.store(cnt_ptr + row, 0)\n            tl.store(ncand_ptr + row, 0)\n"),
+         "            tl.store(cnt_ptr + row, 0)\n            tl.store(out_ptr + row, tok.to(tl.int64))\n"),
     ]
     for old, new in patches:
         assert kern.count(old) == 1, old
@@ -96,13 +97,13 @@ def stamped_sample(x2, out, stamps, temperature, top_k, top_p, min_p, seed, offs
     slots = torch.empty((B, P), dtype=torch.int64, device=dev)
     cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
     cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
-    barrier, count, _, ncand = _workspace(dev, B)
+    barrier, count, _ = _workspace(dev, B)
     args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
     _sample_one_launch_kernel[(B, P)](
         x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
-        offset.view(-1), 0, barrier, count, ncand, cand_z, cand_i, SPIN_CAP, stamps, **flags,
+        offset.view(-1), 0, barrier, count, cand_z, cand_i, SPIN_CAP, stamps, **flags,
         OFFSET_TENSOR=True, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024,
-        **_rank_flags(cap, PB), LD_POLL=True, num_warps=_warps(chunk) * 2, **pdl_options(dev))
+        **_rank_flags(cap), LD_POLL=True, num_warps=_warps(chunk) * 2, **pdl_options(dev))
 '''
 
 

@@ -69,7 +69,6 @@ MIN_CHUNK = 1024          # split rows: at least this many elements per program
 CAP = 512                 # candidate list per row (top-k / top-p path)
 TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
 RANK_CAP = 128            # up to this many candidates: thresholds by counting, not by a sort
-RANK_JB = 32              # columns of the [rows, RANK_JB] comparison tile of the counting
 INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
 # grid barrier: every launch adds exactly BARRIER_GEN to the counter (module docstring of
 # _softmax_one_launch_kernel), so it is a multiple of BARRIER_GEN between launches
@@ -158,18 +157,17 @@ def _row_param(ptr, scalar, row, dtype: tl.constexpr, PER_ROW: tl.constexpr):
 
 
 @triton.jit
-def _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB: tl.constexpr, CACHE: tl.constexpr):
-    """Row max, sum of exp(z - max), first argmax, and the chunk maxima (padded with -inf).
-    CACHE ".cg" reads them from L2: other programs of the same launch wrote them."""
+def _combine_stats(m_ptr, s_ptr, row, P, PB: tl.constexpr, CACHE: tl.constexpr):
+    """Row max, sum of exp(z - max), the first chunk holding the max, and the chunk maxima (padded
+    with -inf). CACHE ".cg" reads them from L2: other programs of the same launch wrote them. The
+    argmax (a dependent load of that chunk's first argmax) is left to greedy rows."""
     c = tl.arange(0, PB)
     cm = c < P
     m = tl.load(m_ptr + row * P + c, mask=cm, other=-float("inf"), cache_modifier=CACHE)
     s = tl.load(s_ptr + row * P + c, mask=cm, other=0.0, cache_modifier=CACHE)
     M = tl.max(m, axis=0)
     Z = tl.sum(tl.where(m > -float("inf"), s * tl.exp(m - M), 0.0), axis=0)
-    first = tl.argmax(m, axis=0)
-    a = tl.load(a_ptr + row * P + first, cache_modifier=CACHE)
-    return M, Z, a, m
+    return M, Z, tl.argmax(m, axis=0), m
 
 
 @triton.jit
@@ -541,25 +539,17 @@ def _kth_largest(vals, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _count_above(vals, ptr, n, BLOCK: tl.constexpr, JB: tl.constexpr):
-    """For each of ``vals`` ([BLOCK]): how many of the n values at ``ptr`` are strictly larger.
-
-    The values are read again from memory (".cg": other programs of the launch wrote them) JB at
-    a time, so the comparison tile is [BLOCK, JB], not [BLOCK, BLOCK] registers."""
-    above = tl.zeros([BLOCK], tl.int32)
-    for j0 in tl.static_range(0, BLOCK, JB):
-        j = j0 + tl.arange(0, JB)
-        vj = tl.load(ptr + j, mask=j < n, other=-float("inf"), cache_modifier=".cg")
-        above += tl.sum((vj[None, :] > vals[:, None]).to(tl.int32), axis=1)
-    return above
+def _count_above(vals):
+    """For each of ``vals`` (a register block): how many of them are strictly larger. The [BLOCK,
+    BLOCK] comparison stays in registers (BLOCK <= 128: at most 128 per thread on 4 warps)."""
+    return tl.sum((vals[None, :] > vals[:, None]).to(tl.int32), axis=1)
 
 
 @triton.jit
-def _kth_largest_ranked(vals, ptr, n, k, BLOCK: tl.constexpr, JB: tl.constexpr):
+def _kth_largest_counted(vals, k):
     """What ``_kth_largest`` gives, without a sort: the smallest value with fewer than k values
-    above it (``vals`` are the n values at ``ptr``, -inf padded to BLOCK; 1 <= k)."""
-    above = _count_above(vals, ptr, n, BLOCK, JB)
-    return tl.min(tl.where(above < k, vals, float("inf")), axis=0)
+    above it (1 <= k; -inf padding)."""
+    return tl.min(tl.where(_count_above(vals) < k, vals, float("inf")), axis=0)
 
 
 @triton.jit
@@ -650,15 +640,15 @@ def _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _candidate_bound(chunk_max, m_row_ptr, k, p, P, V, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                     RANKED: tl.constexpr, JB: tl.constexpr):
+def _candidate_bound(chunk_max, k, p, P, V, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
+                     COUNTED: tl.constexpr):
     """Lower bound L on the final threshold from the chunk maxima (module docstring): the k-th largest
     chunk max for top-k, the KC-th largest for top-p alone; +inf (fallback) when k > P; -inf for a
-    row short enough to take whole. RANKED: by counting (``_kth_largest_ranked``, the maxima read
-    again from ``m_row_ptr``) instead of sorting them."""
+    row short enough to take whole. COUNTED: by counting (``_kth_largest_counted``) instead of
+    sorting the maxima."""
     rank = tl.where(k > 0, tl.minimum(k, PB), tl.minimum(P, KC))
-    if RANKED:
-        L = _kth_largest_ranked(chunk_max, m_row_ptr, P, rank, PB, JB)
+    if COUNTED:
+        L = _kth_largest_counted(chunk_max, rank)
     else:
         L = _kth_largest(chunk_max, rank, PB)
     L = tl.where((k > 0) & (k > P), float("inf"), L)
@@ -666,10 +656,14 @@ def _candidate_bound(chunk_max, m_row_ptr, k, p, P, V, PB: tl.constexpr, CAP: tl
 
 
 @triton.jit
-def _append_candidates(z, cols, inb, L, n_ptr, cand_z_ptr, cand_i_ptr, row, CAP: tl.constexpr):
-    """Append this chunk's values >= L (and their columns) to the row's list; n_ptr counts them."""
+def _append_candidates(z, cols, inb, L, n_ptr, cand_z_ptr, cand_i_ptr, row, CAP: tl.constexpr,
+                       PACKED: tl.constexpr = False):
+    """Append this chunk's values >= L (and their columns) to the row's list; n_ptr counts them
+    (PACKED: in the low 32 bits of an int64 whose high bits count arrivals)."""
     is_cand = inb & (z >= L) & (z > -float("inf"))
     base = tl.atomic_add(n_ptr, tl.sum(is_cand.to(tl.int32), axis=0).to(n_ptr.dtype.element_ty))
+    if PACKED:
+        base = base & 0xFFFFFFFF
     slot = base + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1
     ok = is_cand & (slot < CAP)
     tl.store(cand_z_ptr + row * CAP + slot, z, mask=ok)
@@ -694,55 +688,59 @@ def _thresholds_sorted(cz, k, p, M, Z, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _thresholds_ranked(cz_ptr, n, k, p, M, Z, BLOCK: tl.constexpr, JB: tl.constexpr):
-    """``_thresholds_sorted`` without the sort, for few candidates (n <= BLOCK, read from ``cz_ptr``):
-    tau_k is the smallest candidate with fewer than k candidates above it, and the mass above a
-    candidate (what the sorted prefix sum gives at the first of its ties) is summed over the
-    candidates larger than it, JB at a time."""
-    i = tl.arange(0, BLOCK)
-    cz = tl.load(cz_ptr + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
+def _thresholds_counted(cz, k, p, M, Z):
+    """``_thresholds_sorted`` without the sort, for a small block (``_count_above``): tau_k is the
+    smallest candidate with fewer than k above it, and the mass above a candidate (what the sorted
+    prefix sum gives at the first of its ties) is summed over the candidates larger than it."""
     e = tl.exp(cz - M)
-    tau_k = tl.min(tl.where(_count_above(cz, cz_ptr, n, BLOCK, JB) < k, cz, float("inf")), axis=0)
+    larger = cz[None, :] > cz[:, None]
+    tau_k = tl.min(tl.where(tl.sum(larger.to(tl.int32), axis=1) < k, cz, float("inf")), axis=0)
     tau_k = tl.where(k > 0, tau_k, -float("inf"))
     ek = tl.where(cz >= tau_k, e, 0.0)
     mass_k = tl.where(k > 0, tl.sum(ek, axis=0), Z)
-    before = tl.zeros([BLOCK], tl.float32)
-    for j0 in tl.static_range(0, BLOCK, JB):
-        j = j0 + tl.arange(0, JB)
-        zj = tl.load(cz_ptr + j, mask=j < n, other=-float("inf"), cache_modifier=".cg")
-        ej = tl.where(zj >= tau_k, tl.exp(zj - M), 0.0)
-        before += tl.sum(tl.where(zj[None, :] > cz[:, None], ej[None, :], 0.0), axis=1)
+    before = tl.sum(tl.where(larger, ek[None, :], 0.0), axis=1)
     in_p = (before < p * mass_k) & (cz >= tau_k)
     tau_p = tl.min(tl.where(in_p, cz, float("inf")), axis=0)
     return tl.where(p < 1.0, tau_p, tau_k), tl.sum(e, axis=0)
 
 
 @triton.jit
-def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr, seed, off,
-                     CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr,
-                     RANK_JB: tl.constexpr):
-    """The row's token from its n candidates (every value >= L): the thresholds tau_k and tau_p from
-    the candidates (counted when n <= RANK_CAP, sorted otherwise; RANK_CAP 0: always sorted), then
-    race the survivors; the
-    exact bisection over the row when the list overflowed or cannot decide top-p."""
-    i = tl.arange(0, CAP)
+def _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP: tl.constexpr,
+                BLOCK: tl.constexpr, COUNTED: tl.constexpr):
+    """(token, candidate mass) from the first BLOCK slots of the row's candidate list (n <= BLOCK):
+    the thresholds (counted or sorted), then the race among the survivors."""
+    i = tl.arange(0, BLOCK)
     cz = tl.load(cand_z_ptr + row * CAP + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
     ci = tl.load(cand_i_ptr + row * CAP + i, mask=i < n, other=0, cache_modifier=".cg")
+    if COUNTED:
+        tau, cand_mass = _thresholds_counted(cz, k, p, M, Z)
+    else:
+        tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, BLOCK)
+    keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
+    key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
+    w = tl.argmax(key, axis=0)
+    return tl.sum(tl.where(i == w, ci, 0), axis=0), cand_mass
+
+
+@triton.jit
+def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr, seed, off,
+                     CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr):
+    """The row's token from its n candidates (every value >= L): the thresholds tau_k and tau_p from
+    the candidates (counted when n <= RANK_CAP, sorted otherwise; RANK_CAP 0: always sorted), then
+    race the survivors; the exact bisection over the row when the list overflowed or cannot decide
+    top-p."""
     if RANK_CAP > 0:
         if n <= RANK_CAP:
-            tau, cand_mass = _thresholds_ranked(cand_z_ptr + row * CAP, n, k, p, M, Z, RANK_CAP, RANK_JB)
+            tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP,
+                                         RANK_CAP, True)
         else:
-            tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, CAP)
+            tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, CAP, False)
     else:
-        tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, CAP)
+        tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, CAP, False)
     # top-k: the candidates hold every value >= L <= tau_k. top-p alone: they hold all the mass
     # above L, so the nucleus is decided iff that mass reaches p
     complete = tl.where(k > 0, L < float("inf"), (cand_mass >= p * Z) | (V <= CAP))
     complete = complete & (n <= CAP)
-    keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
-    key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
-    w = tl.argmax(key, axis=0)
-    tok = tl.sum(tl.where(i == w, ci, 0), axis=0)
     if complete == 0:
         tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off, FALLBACK_BLOCK)
     return tok
@@ -755,18 +753,17 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                    T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                    MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr,
                    CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                   FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr, RANK_JB: tl.constexpr,
-                   BOUND_JB: tl.constexpr, PDL: tl.constexpr = False):
+                   FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t, k, p, minp, seed = _row_sampling_params(t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
                                                seed_ptr, seed_scalar, row, V, T_PER_ROW, K_PER_ROW, P_PER_ROW,
                                                MP_PER_ROW, SEED_MODE)
-    M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB, "")
+    M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, "")
     if t == 0.0:  # greedy row: the first index of the max logit
         if c == 0:
-            tl.store(out_ptr + row, first_max.to(tl.int64))
+            tl.store(out_ptr + row, tl.load(a_ptr + row * P + first_chunk).to(tl.int64))
     else:
         off = tl.load(off_ptr)
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -780,12 +777,12 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                 packed = tl.atomic_max(best_ptr + row, INT64_MIN)
                 tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
         else:
-            L = _candidate_bound(chunk_max, m_ptr + row * P, k, p, P, V, PB, CAP, KC, RANK_CAP > 0, BOUND_JB)
+            L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC, RANK_CAP > 0)
             _append_candidates(z, cols, inb, L, done_ptr + 1, cand_z_ptr, cand_i_ptr, row, CAP)
             if tl.atomic_add(done_ptr, 1) == P - 1:
                 n = tl.atomic_add(done_ptr + 1, 0)
                 tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
-                                       seed, off, CAP, FALLBACK_BLOCK, RANK_CAP, RANK_JB)
+                                       seed, off, CAP, FALLBACK_BLOCK, RANK_CAP)
                 tl.store(out_ptr + row, tok.to(tl.int64))
 
 
@@ -814,20 +811,22 @@ def _row_stats_exact(xrow, V, t, P, CHUNK: tl.constexpr, PB: tl.constexpr):
                                "spin_cap"])
 def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr, slot_ptr, out_ptr,
                               t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
-                              seed_ptr, seed_scalar, offset_ptr, offset_scalar, bar_ptr, cnt_ptr, ncand_ptr,
+                              seed_ptr, seed_scalar, offset_ptr, offset_scalar, bar_ptr, cnt_ptr,
                               cand_z_ptr, cand_i_ptr, spin_cap,
                               T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                               MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
                               CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                              FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr, RANK_JB: tl.constexpr,
-                              BOUND_JB: tl.constexpr, LD_POLL: tl.constexpr = False,
+                              FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr, LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
     meets the others at the grid barrier, and goes on from the chunk it still holds in registers.
-    Finishing a row is the last-to-arrive pattern on the persistent workspace: per row an arrival
-    counter (``cnt``) and a candidate count (``ncand``), both put back to 0 by the row's last program;
-    the min-p race combines per-program slots (``slot``) instead of an ``atomic_max`` on one.
+    Finishing a row is the last-to-arrive pattern on the persistent workspace: per row one counter
+    (``cnt``: arrivals; with candidates, arrivals in the high 32 bits and the candidate count in the
+    low), put back to 0 by the row's last program; the min-p race combines per-program slots
+    (``slot``) instead of an ``atomic_max`` on one. With candidates only the programs holding some
+    take part after the barrier (H200 [1, 128256] k 50: ~50 of 126), so the row's two atomics see
+    fewer contenders.
     The RNG offset is read by every program before the barrier and advanced by program (0, 0) after
     it. A program that gives up waiting recomputes its row's statistics from the whole row (exact,
     counted in ``bar_ptr[1]``); under Triton's interpreter, where programs run one after another,
@@ -858,10 +857,12 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
     v = tl.atomic_add(bar_ptr, add, sem="acq_rel", scope="gpu")
     gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)
     tl.debug_barrier()
-    M, Z, first_max, chunk_max = _combine_stats(m_ptr, s_ptr, a_ptr, row, P, PB, ".cg")
+    M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")
     if gave_up:  # the whole row from HBM (slow, exact, counted)
         M, Z, first_max, chunk_max = _row_stats_exact(xrow, V, t1, P, CHUNK, PB)
         tl.atomic_add(bar_ptr + 1, 1)
+    else:
+        first_max = tl.load(a_ptr + row * P + first_chunk, cache_modifier=".cg", mask=t == 0.0, other=0)
     if OFFSET_TENSOR:
         if first_prog:  # every program read it before arriving at the barrier
             tl.store(offset_ptr, off + 1)
@@ -879,16 +880,27 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
             tl.store(cnt_ptr + row, 0)
             tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
     else:
-        L = _candidate_bound(chunk_max, m_ptr + row * P, k, p, P, V, PB, CAP, KC, RANK_CAP > 0, BOUND_JB)
-        _append_candidates(z, cols, inb, L, ncand_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP)
-        tl.debug_barrier()  # the candidate stores precede the release below
-        if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:
+        L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC, RANK_CAP > 0)
+        # only the programs holding candidates (chunk max >= L) append and arrive, each with two
+        # atomics on the row's counter: + its candidate count (the low 32 bits reserve its slots),
+        # then + 1 << 32 (arrival, releasing its stores). The last sender sees every reservation
+        # in the value its arrival returns. No sender (L = +inf: the fallback) -> program 0 finishes.
+        sends = (chunk_max >= L) & (chunk_max > -float("inf"))
+        senders = tl.sum(sends.to(tl.int32), axis=0)
+        mine = (m >= L) & (m > -float("inf"))
+        n = 0
+        finish = (senders == 0) & (c == 0)
+        if mine:
+            _append_candidates(z, cols, inb, L, cnt_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP, True)
+            tl.debug_barrier()  # the candidate stores precede the release below
+            old = tl.atomic_add(cnt_ptr + row, 1 << 32, sem="acq_rel", scope="gpu")
+            finish = (old >> 32) == senders - 1
+            n = (old & 0xFFFFFFFF).to(tl.int32)
+        if finish:
             tl.debug_barrier()
-            n = tl.atomic_add(ncand_ptr + row, 0)
             tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
-                                   seed, off, CAP, FALLBACK_BLOCK, RANK_CAP, RANK_JB)
+                                   seed, off, CAP, FALLBACK_BLOCK, RANK_CAP)
             tl.store(cnt_ptr + row, 0)
-            tl.store(ncand_ptr + row, 0)
             tl.store(out_ptr + row, tok.to(tl.int64))
 
 
@@ -932,7 +944,7 @@ def _stats(x2, t_ptr, t_scalar, t_per_row, chunk, P, sample_state=None):
 
 # ----------------------------------------------------------------------------- persistent workspace
 # One int64 buffer per device: [grid barrier counter, barrier give-ups, count[cap] (0), row
-# barrier[cap] (0), candidate count[cap] (0)]. Every launch that uses it leaves it in this state (the
+# barrier[cap] (0)]. Every launch that uses it leaves it in this state (the
 # barrier counters: a multiple of BARRIER_GEN). Never freed: CUDA graphs captured earlier keep pointing at it, so an
 # outgrown buffer is parked in _OUTGROWN rather than released.
 _WORKSPACES: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -940,20 +952,20 @@ _OUTGROWN: list[torch.Tensor] = []
 
 
 def _fresh_workspace(device: torch.device, cap: int) -> torch.Tensor:
-    return torch.zeros(2 + 3 * cap, dtype=torch.int64, device=device)
+    return torch.zeros(2 + 2 * cap, dtype=torch.int64, device=device)
 
 
 def _workspace_cap(ws: torch.Tensor) -> int:
-    return (ws.numel() - 2) // 3
+    return (ws.numel() - 2) // 2
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grid barrier [2], arrival count [rows], row barrier [rows], candidate count [rows]) views of
-    the device's workspace, in their initial state.
+def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grid barrier [2], arrival count [rows], row barrier [rows]) views of the device's workspace,
+    in their initial state.
 
     First needed (or needed larger) during CUDA-graph capture: the buffer is a temporary of that
     capture, initialised by a fill that is captured too (it reruns before the kernel on every replay,
@@ -975,7 +987,7 @@ def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Ten
                 _OUTGROWN.append(ws)
             ws = _WORKSPACES[key] = fresh
     cap = _workspace_cap(ws)
-    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows], ws[2 + 2 * cap:2 + 2 * cap + rows]
+    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows]
 
 
 def barrier_give_ups(device: torch.device) -> int:
@@ -1032,7 +1044,7 @@ def softmax_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature: float, 
     """The grid-barrier launch; the caller guarantees co-residency (_one_launch_split)."""
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
-    barrier, _, _, _ = _workspace(x2.device, 0)
+    barrier, _, _ = _workspace(x2.device, 0)
     _softmax_one_launch_kernel[(B, P)](x2, out, x2.stride(0), out.stride(0), V, P, B * P, part[0], part[1],
                                        barrier, 1.0 / temperature, spin_cap,
                                        LOG=log, CHUNK=chunk, PB=max(2, triton.next_power_of_2(P)),
@@ -1111,7 +1123,7 @@ def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: 
     """
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
-    barrier, _, row_barrier, _ = _workspace(x2.device, B)
+    barrier, _, row_barrier = _workspace(x2.device, B)
     if cfg.lag:
         return _softmax_lagged_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
                                                 barrier, row_barrier, 1.0 / temperature, spin_cap,
@@ -1181,7 +1193,7 @@ def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
                                  **pdl_options(x2.device))
         return
     chunk, P, PB = _split(V)
-    _, count, _, _ = _workspace(x2.device, B)
+    _, count, _ = _workspace(x2.device, B)
     part = torch.empty((B, P), dtype=torch.int64, device=x2.device)
     # H200 [1, 128256] fp32, chunk 1024, PDL on (bench/results/h200/sampling_latency_probe*.json):
     # 2.56 us with 4 warps; the previous kernel (atomic_max into one row slot) 3.81 us with 4 warps,
@@ -1219,10 +1231,9 @@ def rank_cap() -> int:
     return v
 
 
-def _rank_flags(cap: int, PB: int) -> dict:
-    """RANK_CAP / RANK_JB / BOUND_JB constexprs of the sample kernels for a candidate list of ``cap``."""
-    rc = min(rank_cap(), cap)
-    return dict(RANK_CAP=rc, RANK_JB=min(RANK_JB, max(rc, 1)), BOUND_JB=min(RANK_JB, PB))
+def _rank_flags(cap: int) -> dict:
+    """The RANK_CAP constexpr of the sample kernels for a candidate list of ``cap``."""
+    return dict(RANK_CAP=min(rank_cap(), cap))
 
 
 def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset) -> None:
@@ -1252,7 +1263,7 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
                                    off_out, has_off))
     _sample_kernel[(B, P)](
         x2, x2.stride(0), V, P, m, s, a, out, *args, off_out, cnt, best, cand_z, cand_i, **flags,
-        CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, **_rank_flags(cap, PB), num_warps=_warps(chunk) * 2,
+        CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, **_rank_flags(cap), num_warps=_warps(chunk) * 2,
         **pdl_options(x2.device))
 
 
@@ -1269,12 +1280,12 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     slots = torch.empty((B, P), dtype=torch.int64, device=dev)
     cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
     cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
-    barrier, count, _, ncand = _workspace(dev, B)
+    barrier, count, _ = _workspace(dev, B)
     has_off = isinstance(offset, torch.Tensor)
     args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
     _sample_one_launch_kernel[(B, P)](
         x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
         offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0),
-        barrier, count, ncand, cand_z, cand_i, spin_cap, **flags,
-        OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, **_rank_flags(cap, PB),
+        barrier, count, cand_z, cand_i, spin_cap, **flags,
+        OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, **_rank_flags(cap),
         LD_POLL=dev.type == "cuda", num_warps=_warps(chunk) * 2, **pdl_options(dev))

@@ -30,11 +30,10 @@ def _k():
 
 
 def _assert_workspace_clean(ws):
-    cap = (ws.numel() - 2) // 3
+    cap = (ws.numel() - 2) // 2
     assert int(ws[0]) % GEN == 0                                # grid barrier counter between launches
     assert bool((ws[2:2 + cap] == 0).all())                     # arrival counters (argmax, sample)
-    assert bool((ws[2 + cap:2 + 2 * cap] % GEN == 0).all())     # row barriers (many-row softmax)
-    assert bool((ws[2 + 2 * cap:] == 0).all())                  # candidate counts (one-launch sample)
+    assert bool((ws[2 + cap:] % GEN == 0).all())                # row barriers (many-row softmax)
 
 
 # ------------------------------------------------------------------ argmax, interpreter
@@ -93,7 +92,7 @@ def test_softmax_one_launch_kernel_interpreter(interpreter, dtype):
     P = math.ceil(V / chunk)
     base = (torch.randn(B, V + 40) * 4).to(dtype)
     x = base[:, 20:20 + V]                             # rows not contiguous with each other
-    barrier, _, _, _ = k._workspace(x.device, 0)
+    barrier, _, _ = k._workspace(x.device, 0)
     start, give_ups = int(barrier[0]), int(barrier[1])
     for call, log in enumerate((False, True, False)):
         out = poisoned((B, V), torch.float32, "cpu")
@@ -136,7 +135,7 @@ def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch, lag):
     base = (torch.randn(B, V + 24) * 4).to(dtype)
     x = base[:, 8:8 + V]                               # rows not contiguous with each other
     x[3, 4400:] = -math.inf                            # -inf tail inside the partial chunk
-    barrier, _, row_bar, _ = k._workspace(x.device, B)
+    barrier, _, row_bar = k._workspace(x.device, B)
     start, give_ups = row_bar.clone(), int(barrier[1])
     for call, (log, T) in enumerate(((False, 0.7), (True, 1.0), (False, 1.3))):
         out = poisoned((B, V), torch.float32, "cpu")
@@ -443,7 +442,7 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
     x[1, :19000] = -math.inf                          # most of a row masked
     two = poisoned((2,), torch.int64, "cpu")
     k.sample(x, two, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 3)
-    barrier, count, _, ncand = k._workspace(x.device, 2)
+    barrier, count, _ = k._workspace(x.device, 2)
     give_ups = int(barrier[1])
     one = poisoned((2,), torch.int64, "cpu")
     k.sample_one_launch(x, one, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 3, spin_cap=2)
@@ -451,7 +450,7 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
     probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
     assert bool((probs[torch.arange(2), one] > 0).all())
     assert int(barrier[1]) == give_ups + 2 * 20 - 1 and int(barrier[0]) % GEN == 0
-    assert bool((count == 0).all()) and bool((ncand == 0).all())
+    assert bool((count == 0).all())
 
 
 @pytest.mark.gpu
@@ -581,4 +580,4 @@ def test_gpu_sample_thresholds_counted_equal_sorted(cuda, monkeypatch, mix):
         assert torch.equal(toks["0"], toks["128"]), (x.shape, toks)
         probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
         for rep in toks["128"]:
-            assert bool((probs[torch.arange(x.shape[0], device=cuda), rep] > 0).all())
+            assert bool((probs[torch.arange(x.shape[0], device=probs.device), rep.to(probs.device)] > 0).all())

@@ -6,7 +6,7 @@
    combined, candidate bound, candidates appended, arrival counted (programs holding candidates),
    and in the row's finishing program: selection started, token selected. The kernel is captured 20 times in a graph on
    distinct inputs (as the bench times it) and the stamps of the last call are read back.
-2. A/B: graph-timed [1, 128256] fp32 sampling per EMBER_SAMPLING_RANK_CAP (0: the sorts) and mix,
+2. A/B: graph-timed [1, 128256] fp32 sampling per EMBER_SAMPLING_SMALL_SORT (512: always the CAP sort) and mix,
    tokens checked equal between the settings for the same seed and offset.
 
     python bench/sampling_stages_probe.py [out.json]
@@ -61,7 +61,7 @@ def _stamped_module():
         ('    M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")\n',
          '    M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")\n'
          '    _stamp(stamp_ptr, 3, c + (M > 1e30).to(tl.int32))\n'),
-        ("RANK_CAP > 0)\n", "RANK_CAP > 0)\n        _stamp(stamp_ptr, 4, c + (L > 1e30).to(tl.int32))\n"),
+        ("PB, CAP, KC)\n        # only", "PB, CAP, KC)\n        _stamp(stamp_ptr, 4, c + (L > 1e30).to(tl.int32))\n        # only"),
         ("            tl.debug_barrier()  # the candidate stores precede the release below\n",
          "            tl.debug_barrier()  # the candidate stores precede the release below\n            _stamp(stamp_ptr, 5, c)\n"),
         ("            n = (old & 0xFFFFFFFF).to(tl.int32)\n",
@@ -102,12 +102,12 @@ def stamped_sample(x2, out, stamps, temperature, top_k, top_p, min_p, seed, offs
     _sample_one_launch_kernel[(B, P)](
         x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
         offset.view(-1), 0, barrier, count, cand_z, cand_i, SPIN_CAP, stamps, **flags,
-        OFFSET_TENSOR=True, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024,
-        **_rank_flags(cap), LD_POLL=True, num_warps=_warps(chunk) * 2, **pdl_options(dev))
+        OFFSET_TENSOR=True, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
+        SMALL_SORT=min(small_sort(), cap), LD_POLL=True, num_warps=_warps(chunk) * 2, **pdl_options(dev))
 '''
 
 
-def stages(mod, mix: dict, rank_cap: int) -> dict:
+def stages(mod, mix: dict, small_sort: int) -> dict:
     dev = torch.device("cuda")
     xs = [torch.randn(1, V, device=dev) * 3 for _ in range(_timing.copies_to_exceed_l2(4 * V))]
     P = ks._split(V)[1]
@@ -116,7 +116,7 @@ def stages(mod, mix: dict, rank_cap: int) -> dict:
     off = torch.zeros(1, dtype=torch.int64, device=dev)
     out = torch.empty(1, dtype=torch.int64, device=dev)
     p = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | mix
-    with env_vars({"EMBER_SAMPLING_RANK_CAP": str(rank_cap)}):
+    with env_vars({"EMBER_SAMPLING_SMALL_SORT": str(small_sort)}):
         run = lambda x: mod.stamped_sample(x, out, stamps, p["temperature"], p["top_k"], p["top_p"], p["min_p"], seed, off)
         for x in xs:
             run(x)
@@ -149,17 +149,17 @@ def stages(mod, mix: dict, rank_cap: int) -> dict:
     return {k: statistics.median(r[k] for r in per_rep if k in r) for k in keys}
 
 
-def ab(mix: dict, caps=(0, 128)) -> dict:
+def ab(mix: dict, caps=(512, 128, 64)) -> dict:
     dev = torch.device("cuda")
     xs = [torch.randn(1, V, device=dev) * 3 for _ in range(_timing.copies_to_exceed_l2(4 * V))]
     seed = torch.tensor([1234], device=dev)
     res, toks = {}, {}
     for cap in caps:
-        with env_vars({"EMBER_SAMPLING_RANK_CAP": str(cap)}):
+        with env_vars({"EMBER_SAMPLING_SMALL_SORT": str(cap)}):
             off = torch.zeros(1, dtype=torch.int64, device=dev)
             toks[cap] = torch.stack([ember.ops.sample(x, **mix, seed=seed, offset=torch.full((1,), i, device=dev))
                                      for i, x in enumerate(xs)])
-            res[f"rank_cap_{cap}_us"] = _timing.graph_time_us(
+            res[f"small_sort_{cap}_us"] = _timing.graph_time_us(
                 [lambda x=x: ember.ops.sample(x, **mix, seed=seed, offset=off, check=False) for x in xs])
     res["tokens_equal"] = all(torch.equal(toks[caps[0]], toks[c]) for c in caps)
     return res
@@ -172,10 +172,21 @@ def main(path: str | None = None) -> dict:
         out["ab"][name] = ab(mix)
         print(name, out["ab"][name], flush=True)
     for name in ("t0.7_k50_p0.9", "t0.7_p0.9", "t0.7"):
-        for cap in (0, 128):
-            key = f"{name}_rank_cap_{cap}"
+        for cap in (512, 128):
+            key = f"{name}_small_sort_{cap}"
             out["stages"][key] = stages(mod, MIXES[name], cap)
             print(key, out["stages"][key], flush=True)
+    # top-p alone on these rows (N(0, 4.3^2) logits: a ~400-token nucleus) overflows the candidate
+    # list and takes the one-program bisection: time it per FALLBACK_BLOCK
+    dev = torch.device("cuda")
+    xs = [torch.randn(1, V, device=dev) * 3 for _ in range(_timing.copies_to_exceed_l2(4 * V))]
+    default = ks.FALLBACK_BLOCK
+    for block in (1024, 4096):
+        ks.FALLBACK_BLOCK = block
+        out["ab"][f"t0.7_p0.9_fallback_block_{block}_us"] = _timing.graph_time_us(
+            [lambda x=x: ember.ops.sample(x, temperature=0.7, top_p=0.9, seed=1, check=False) for x in xs])
+        print(block, out["ab"][f"t0.7_p0.9_fallback_block_{block}_us"], flush=True)
+    ks.FALLBACK_BLOCK = default
     out["note"] = ("stages: ns since the earliest program started (globaltimer; max/min over the 126 programs) and "
                    "the last program's clock64 cycles since its own start; median of 30 graph replays of 20 calls")
     if path:

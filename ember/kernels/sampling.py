@@ -68,7 +68,8 @@ MAX_PROGRAMS_PER_ROW = 128
 MIN_CHUNK = 1024          # split rows: at least this many elements per program
 CAP = 512                 # candidate list per row (top-k / top-p path)
 TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
-RANK_CAP = 128            # up to this many candidates: thresholds by counting, not by a sort
+SMALL_SORT = 128          # up to this many candidates: a sort of this block, not of CAP
+FALLBACK_BLOCK = 1024     # elements per step of the bisection fallback's passes over the row
 INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
 # grid barrier: every launch adds exactly BARRIER_GEN to the counter (module docstring of
 # _softmax_one_launch_kernel), so it is a multiple of BARRIER_GEN between launches
@@ -539,20 +540,6 @@ def _kth_largest(vals, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _count_above(vals):
-    """For each of ``vals`` (a register block): how many of them are strictly larger. The [BLOCK,
-    BLOCK] comparison stays in registers (BLOCK <= 128: at most 128 per thread on 4 warps)."""
-    return tl.sum((vals[None, :] > vals[:, None]).to(tl.int32), axis=1)
-
-
-@triton.jit
-def _kth_largest_counted(vals, k):
-    """What ``_kth_largest`` gives, without a sort: the smallest value with fewer than k values
-    above it (1 <= k; -inf padding)."""
-    return tl.min(tl.where(_count_above(vals) < k, vals, float("inf")), axis=0)
-
-
-@triton.jit
 def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off,
                               BLOCK: tl.constexpr):
     """Exact thresholds by bisection on the ordered int32 key of z, with passes over the row."""
@@ -640,17 +627,12 @@ def _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _candidate_bound(chunk_max, k, p, P, V, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                     COUNTED: tl.constexpr):
+def _candidate_bound(chunk_max, k, p, P, V, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr):
     """Lower bound L on the final threshold from the chunk maxima (module docstring): the k-th largest
     chunk max for top-k, the KC-th largest for top-p alone; +inf (fallback) when k > P; -inf for a
-    row short enough to take whole. COUNTED: by counting (``_kth_largest_counted``) instead of
-    sorting the maxima."""
+    row short enough to take whole."""
     rank = tl.where(k > 0, tl.minimum(k, PB), tl.minimum(P, KC))
-    if COUNTED:
-        L = _kth_largest_counted(chunk_max, rank)
-    else:
-        L = _kth_largest(chunk_max, rank, PB)
+    L = _kth_largest(chunk_max, rank, PB)
     L = tl.where((k > 0) & (k > P), float("inf"), L)
     return tl.where(V <= CAP, -float("inf"), L)
 
@@ -688,34 +670,14 @@ def _thresholds_sorted(cz, k, p, M, Z, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _thresholds_counted(cz, k, p, M, Z):
-    """``_thresholds_sorted`` without the sort, for a small block (``_count_above``): tau_k is the
-    smallest candidate with fewer than k above it, and the mass above a candidate (what the sorted
-    prefix sum gives at the first of its ties) is summed over the candidates larger than it."""
-    e = tl.exp(cz - M)
-    larger = cz[None, :] > cz[:, None]
-    tau_k = tl.min(tl.where(tl.sum(larger.to(tl.int32), axis=1) < k, cz, float("inf")), axis=0)
-    tau_k = tl.where(k > 0, tau_k, -float("inf"))
-    ek = tl.where(cz >= tau_k, e, 0.0)
-    mass_k = tl.where(k > 0, tl.sum(ek, axis=0), Z)
-    before = tl.sum(tl.where(larger, ek[None, :], 0.0), axis=1)
-    in_p = (before < p * mass_k) & (cz >= tau_k)
-    tau_p = tl.min(tl.where(in_p, cz, float("inf")), axis=0)
-    return tl.where(p < 1.0, tau_p, tau_k), tl.sum(e, axis=0)
-
-
-@triton.jit
 def _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP: tl.constexpr,
-                BLOCK: tl.constexpr, COUNTED: tl.constexpr):
+                BLOCK: tl.constexpr):
     """(token, candidate mass) from the first BLOCK slots of the row's candidate list (n <= BLOCK):
-    the thresholds (counted or sorted), then the race among the survivors."""
+    the thresholds, then the race among the survivors."""
     i = tl.arange(0, BLOCK)
     cz = tl.load(cand_z_ptr + row * CAP + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
     ci = tl.load(cand_i_ptr + row * CAP + i, mask=i < n, other=0, cache_modifier=".cg")
-    if COUNTED:
-        tau, cand_mass = _thresholds_counted(cz, k, p, M, Z)
-    else:
-        tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, BLOCK)
+    tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, BLOCK)
     keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
     key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
     w = tl.argmax(key, axis=0)
@@ -724,19 +686,19 @@ def _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP
 
 @triton.jit
 def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr, seed, off,
-                     CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr):
-    """The row's token from its n candidates (every value >= L): the thresholds tau_k and tau_p from
-    the candidates (counted when n <= RANK_CAP, sorted otherwise; RANK_CAP 0: always sorted), then
-    race the survivors; the exact bisection over the row when the list overflowed or cannot decide
-    top-p."""
-    if RANK_CAP > 0:
-        if n <= RANK_CAP:
+                     CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr):
+    """The row's token from its n candidates (every value >= L): sort them (a SMALL_SORT block when
+    they fit: H200, the last program's selection 3.8 us with a 512 sort), read tau_k and tau_p off
+    the sorted prefix sums, race the survivors; the exact bisection over the row when the list
+    overflowed or cannot decide top-p."""
+    if SMALL_SORT < CAP:
+        if n <= SMALL_SORT:
             tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP,
-                                         RANK_CAP, True)
+                                         SMALL_SORT)
         else:
-            tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, CAP, False)
+            tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, CAP)
     else:
-        tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, CAP, False)
+        tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, CAP)
     # top-k: the candidates hold every value >= L <= tau_k. top-p alone: they hold all the mass
     # above L, so the nucleus is decided iff that mass reaches p
     complete = tl.where(k > 0, L < float("inf"), (cand_mass >= p * Z) | (V <= CAP))
@@ -753,7 +715,7 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                    T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                    MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr,
                    CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                   FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr, PDL: tl.constexpr = False):
+                   FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -777,12 +739,12 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                 packed = tl.atomic_max(best_ptr + row, INT64_MIN)
                 tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
         else:
-            L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC, RANK_CAP > 0)
+            L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
             _append_candidates(z, cols, inb, L, done_ptr + 1, cand_z_ptr, cand_i_ptr, row, CAP)
             if tl.atomic_add(done_ptr, 1) == P - 1:
                 n = tl.atomic_add(done_ptr + 1, 0)
                 tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
-                                       seed, off, CAP, FALLBACK_BLOCK, RANK_CAP)
+                                       seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
                 tl.store(out_ptr + row, tok.to(tl.int64))
 
 
@@ -816,7 +778,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
                               T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                               MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
                               CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                              FALLBACK_BLOCK: tl.constexpr, RANK_CAP: tl.constexpr, LD_POLL: tl.constexpr = False,
+                              FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
@@ -880,7 +842,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
             tl.store(cnt_ptr + row, 0)
             tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
     else:
-        L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC, RANK_CAP > 0)
+        L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
         # only the programs holding candidates (chunk max >= L) append and arrive, each with two
         # atomics on the row's counter: + its candidate count (the low 32 bits reserve its slots),
         # then + 1 << 32 (arrival, releasing its stores). The last sender sees every reservation
@@ -899,7 +861,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
         if finish:
             tl.debug_barrier()
             tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
-                                   seed, off, CAP, FALLBACK_BLOCK, RANK_CAP)
+                                   seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
             tl.store(cnt_ptr + row, 0)
             tl.store(out_ptr + row, tok.to(tl.int64))
 
@@ -1222,18 +1184,13 @@ def _sampling_args(temperature, top_k, top_p, min_p, seed, dummy: torch.Tensor) 
     return args, dict(flags, SEED_MODE=seed_mode)
 
 
-def rank_cap() -> int:
-    """Candidates the row's last program ranks by counting instead of sorting: RANK_CAP, or
-    ``EMBER_SAMPLING_RANK_CAP`` (0: sort always, and sort the chunk maxima for the bound too; A/B)."""
-    v = int(os.environ.get("EMBER_SAMPLING_RANK_CAP", RANK_CAP))
-    if v and (v & (v - 1) or not 16 <= v <= CAP):
-        raise ValueError(f"EMBER_SAMPLING_RANK_CAP: expected 0 or a power of 2 in [16, {CAP}], got {v}")
+def small_sort() -> int:
+    """Candidates sorted as a small block instead of CAP: SMALL_SORT, or ``EMBER_SAMPLING_SMALL_SORT``
+    (a power of 2 in [16, CAP]; CAP: always the CAP sort; A/B)."""
+    v = int(os.environ.get("EMBER_SAMPLING_SMALL_SORT", SMALL_SORT))
+    if v & (v - 1) or not 16 <= v <= CAP:
+        raise ValueError(f"EMBER_SAMPLING_SMALL_SORT: expected a power of 2 in [16, {CAP}], got {v}")
     return v
-
-
-def _rank_flags(cap: int) -> dict:
-    """The RANK_CAP constexpr of the sample kernels for a candidate list of ``cap``."""
-    return dict(RANK_CAP=min(rank_cap(), cap))
 
 
 def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset) -> None:
@@ -1263,7 +1220,8 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
                                    off_out, has_off))
     _sample_kernel[(B, P)](
         x2, x2.stride(0), V, P, m, s, a, out, *args, off_out, cnt, best, cand_z, cand_i, **flags,
-        CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, **_rank_flags(cap), num_warps=_warps(chunk) * 2,
+        CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
+        SMALL_SORT=min(small_sort(), cap), num_warps=_warps(chunk) * 2,
         **pdl_options(x2.device))
 
 
@@ -1287,5 +1245,6 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
         offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0),
         barrier, count, cand_z, cand_i, spin_cap, **flags,
-        OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=1024, **_rank_flags(cap),
+        OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
+        SMALL_SORT=min(small_sort(), cap),
         LD_POLL=dev.type == "cuda", num_warps=_warps(chunk) * 2, **pdl_options(dev))

@@ -502,7 +502,7 @@ def test_gpu_sample_one_launch_graph_replays(cuda, monkeypatch):
     _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
 
 
-# ------------------------------------------------------------------ thresholds by counting vs by sorting
+# ------------------------------------------------------------------ candidates sorted as a small block
 def _candidate_count(x, temperature, top_k, top_p):
     """How many candidates a row's last program gets (the kernels' bound, restated in torch)."""
     k = _k()
@@ -514,8 +514,8 @@ def _candidate_count(x, temperature, top_k, top_p):
     return int((z >= L).sum())
 
 
-def _ranked_rows():
-    """[4, 20000] rows whose candidate lists fall on both sides of RANK_CAP (128), below CAP (512)
+def _candidate_rows():
+    """[4, 20000] rows whose candidate lists fall on both sides of SMALL_SORT (128), below CAP (512)
     (overflowing rows take the bisection, the same for both; it is slow in the interpreter)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 20000, generator=g) * 3
@@ -525,59 +525,59 @@ def _ranked_rows():
     return x
 
 
-RANK_MIXES = [dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.0),
+SORT_MIXES = [dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.0),
               dict(temperature=1.0, top_k=15, top_p=1.0, min_p=0.0),
               dict(temperature=1.2, top_k=0, top_p=0.8, min_p=0.0),
               dict(temperature=0.9, top_k=12, top_p=0.95, min_p=0.02)]
 
 
-@pytest.mark.parametrize("mix", [RANK_MIXES[0], RANK_MIXES[2]])   # the others on the GPU (slow here)
-def test_sample_thresholds_counted_equal_sorted_interpreter(interpreter, monkeypatch, mix):
-    """Thresholds from counting (n <= RANK_CAP candidates) draw the tokens the sort draws, for the
-    same seed and offset, over rows on both sides of RANK_CAP; every token in the reference support."""
+@pytest.mark.parametrize("mix", [SORT_MIXES[0], SORT_MIXES[2]])   # the others on the GPU (slow here)
+def test_sample_small_sort_equals_full_sort_interpreter(interpreter, monkeypatch, mix):
+    """Candidates sorted as a SMALL_SORT block (n <= 128) draw the tokens the CAP sort draws, for the
+    same seed and offset, over rows on both sides of SMALL_SORT; every token in the reference support."""
     k = _k()
-    x = _ranked_rows()
+    x = _candidate_rows()
     counts = [_candidate_count(r, mix["temperature"], mix["top_k"], mix["top_p"]) for r in x]
-    assert min(counts) <= k.RANK_CAP < max(counts) <= k.CAP, counts
+    assert min(counts) <= k.SMALL_SORT < max(counts) <= k.CAP, counts
     toks = {}
-    for cap in ("0", "128"):
-        monkeypatch.setenv("EMBER_SAMPLING_RANK_CAP", cap)
+    for cap in ("512", "128"):
+        monkeypatch.setenv("EMBER_SAMPLING_SMALL_SORT", cap)
         toks[cap] = torch.stack([poisoned((4,), torch.int64, "cpu") for _ in range(2)])
         for rep in range(2):             # two offsets
             k.sample(x, toks[cap][rep], mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, rep)
-    assert torch.equal(toks["0"], toks["128"])
+    assert torch.equal(toks["512"], toks["128"])
     probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
     for rep in range(2):
         assert bool((probs[torch.arange(4), toks["128"][rep]] > 0).all()), (rep, toks["128"][rep])
 
 
-def test_rank_cap_env_validated(monkeypatch):
+def test_small_sort_env_validated(monkeypatch):
     k = _k()
-    monkeypatch.delenv("EMBER_SAMPLING_RANK_CAP", raising=False)
-    assert k.rank_cap() == k.RANK_CAP
-    monkeypatch.setenv("EMBER_SAMPLING_RANK_CAP", "0")
-    assert k.rank_cap() == 0
-    for bad in ("100", "8", "1024", "-1"):
-        monkeypatch.setenv("EMBER_SAMPLING_RANK_CAP", bad)
-        with pytest.raises(ValueError, match="EMBER_SAMPLING_RANK_CAP.*" + bad):
-            k.rank_cap()
+    monkeypatch.delenv("EMBER_SAMPLING_SMALL_SORT", raising=False)
+    assert k.small_sort() == k.SMALL_SORT
+    monkeypatch.setenv("EMBER_SAMPLING_SMALL_SORT", "64")
+    assert k.small_sort() == 64
+    for bad in ("0", "100", "8", "1024", "-1"):
+        monkeypatch.setenv("EMBER_SAMPLING_SMALL_SORT", bad)
+        with pytest.raises(ValueError, match="EMBER_SAMPLING_SMALL_SORT.*" + bad):
+            k.small_sort()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mix", SAMPLE_MIXES[:1] + RANK_MIXES)
-def test_gpu_sample_thresholds_counted_equal_sorted(cuda, monkeypatch, mix):
-    """On the GPU (one launch at 128256, two launches at 20000): counting and sorting draw the same
-    token for the same seed and offset, rows on both sides of RANK_CAP."""
+@pytest.mark.parametrize("mix", SAMPLE_MIXES[:1] + SORT_MIXES)
+def test_gpu_sample_small_sort_equals_full_sort(cuda, monkeypatch, mix):
+    """On the GPU (one launch at 128256, two launches at 20000): the small and the CAP sort draw the
+    same token for the same seed and offset, rows on both sides of SMALL_SORT."""
     seed = torch.tensor([5], device=cuda)
-    rows = [_ranked_rows().to(cuda)] + [torch.randn(4, 128256, device=cuda) * s for s in (1, 3, 10)]
+    rows = [_candidate_rows().to(cuda)] + [torch.randn(4, 128256, device=cuda) * s for s in (1, 3, 10)]
     for x in rows:
         toks = {}
-        for cap in ("0", "128"):
-            monkeypatch.setenv("EMBER_SAMPLING_RANK_CAP", cap)
+        for cap in ("512", "128"):
+            monkeypatch.setenv("EMBER_SAMPLING_SMALL_SORT", cap)
             toks[cap] = torch.stack([torch.cat([ember.ops.sample(r[None], **mix, seed=seed,
                                                                  offset=torch.full((1,), i, device=cuda))
                                                 for r in x]) for i in range(5)])
-        assert torch.equal(toks["0"], toks["128"]), (x.shape, toks)
+        assert torch.equal(toks["512"], toks["128"]), (x.shape, toks)
         probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
         for rep in toks["128"]:
             assert bool((probs[torch.arange(x.shape[0], device=probs.device), rep.to(probs.device)] > 0).all())

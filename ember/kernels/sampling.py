@@ -69,7 +69,8 @@ MIN_CHUNK = 1024          # split rows: at least this many elements per program
 CAP = 512                 # candidate list per row (top-k / top-p path)
 TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
 SMALL_SORT = 128          # up to this many candidates: a sort of this block, not of CAP
-FALLBACK_BLOCK = 1024     # elements per step of the bisection fallback's passes over the row
+FALLBACK_BLOCK = 4096     # elements per step of the bisection fallback's passes over the row:
+                          # H200, top-p alone at [1, 128256]: 869 us vs 1921 with 1024 (8192 spills)
 INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
 # grid barrier: every launch adds exactly BARRIER_GEN to the counter (module docstring of
 # _softmax_one_launch_kernel), so it is a multiple of BARRIER_GEN between launches
@@ -568,9 +569,12 @@ def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, o
         z = tl.load(base + cols, mask=cols < V, other=-float("inf")).to(tl.float32) / t
         massk += tl.where((_ordered_key(z).to(tl.int64) >= tk) & (z > -float("inf")), tl.exp(z - M), 0.0)
     mass_k = tl.sum(massk, axis=0)
-    # top-p: the smallest key t_p with mass(key > t_p) < p * mass_k among the top-k survivors
-    lo = tk
-    hi = zero + 2147483647
+    # top-p: the smallest key t_p with mass(key > t_p) < p * mass_k among the top-k survivors. It is
+    # at most key(M) (nothing lies above the max) and above t_lo = M + log((1 - p) * mass_k / V) - 1:
+    # below t_lo lies at most V * exp(t_lo - M) < (1 - p) * mass_k of mass. The narrower range
+    # leaves ~21-24 of the 32 passes (logits up to ~100; estimated from the float key spacing)
+    lo = tl.maximum(tk, _ordered_key(M + tl.log(tl.maximum((1.0 - p) * mass_k / V, 1e-30)) - 1.0).to(tl.int64))
+    hi = _ordered_key(M).to(tl.int64)
     if p >= 1.0:
         hi = lo
     while lo < hi:

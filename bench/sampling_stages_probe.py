@@ -102,7 +102,7 @@ def stamped_sample(x2, out, stamps, temperature, top_k, top_p, min_p, seed, offs
     _sample_one_launch_kernel[(B, P)](
         x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
         offset.view(-1), 0, barrier, count, cand_z, cand_i, SPIN_CAP, stamps, **flags,
-        OFFSET_TENSOR=True, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK, FALLBACK_WAYS=FALLBACK_WAYS,
+        OFFSET_TENSOR=True, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
         SMALL_SORT=min(small_sort(), cap), LD_POLL=True, num_warps=_warps(chunk) * 2, **pdl_options(dev))
 '''
 

@@ -80,7 +80,6 @@ TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
 SMALL_SORT = 128          # up to this many candidates: a sort of this block, not of CAP
 FALLBACK_BLOCK = 4096     # elements per step of the bisection fallback's passes over the row:
                           # H200, top-p alone at [1, 128256]: 721 vs 1534 us with 1024 (8192 spills)
-FALLBACK_WAYS = 16        # top-p points per fallback pass (1024-element steps); many rows: 2
 TWO_LAUNCH_FALLBACK_BLOCK = 1024  # many rows: 4096 takes 207 registers, halves the programs per SM
                                   # (H200 [64, 128256] k 50 / p 0.9: 145.6 vs 91.8 us)
 INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
@@ -554,7 +553,7 @@ def _kth_largest(vals, k, BLOCK: tl.constexpr):
 
 @triton.jit
 def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off,
-                              BLOCK: tl.constexpr, WAYS: tl.constexpr, WAYS_BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr):
     """Exact thresholds by bisection on the ordered int32 key of z, with passes over the row."""
     base = x_ptr + row * stride_x
     zero = (k * 0).to(tl.int64)
@@ -589,24 +588,17 @@ def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, o
     hi = _ordered_key(M).to(tl.int64)
     if p >= 1.0:
         hi = lo
-    # WAYS-way search: each pass measures the mass above WAYS points of [lo, hi] at once (the passes
-    # wait on memory, not on arithmetic), so ~24 / log2(WAYS) passes instead of ~24
-    j = tl.arange(0, WAYS)
-    target = p * mass_k
-    while lo < hi:  # invariant: answer in [lo, hi], mass(key > hi) < target
-        step = (hi - lo + WAYS - 1) // WAYS
-        q = lo - 1 + (j + 1) * step                     # q[WAYS - 1] >= hi
-        acc = tl.zeros([WAYS], tl.float32)
-        for start in range(0, V, WAYS_BLOCK):
-            cols = start + tl.arange(0, WAYS_BLOCK)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
             z = tl.load(base + cols, mask=cols < V, other=-float("inf")).to(tl.float32) / t
-            e = tl.where(z > -float("inf"), tl.exp(z - M), 0.0)
-            kz = _ordered_key(z).to(tl.int64)
-            acc += tl.sum(tl.where(kz[None, :] > q[:, None], e[None, :], 0.0), axis=1)
-        first = tl.min(tl.where((acc < target) | (q >= hi), j, WAYS), axis=0)
-        new_hi = tl.sum(tl.where(j == first, q, 0), axis=0)
-        lo = tl.where(first == 0, lo, tl.sum(tl.where(j == first - 1, q, 0), axis=0) + 1)
-        hi = tl.minimum(new_hi, hi)
+            acc += tl.where((_ordered_key(z).to(tl.int64) > mid) & (z > -float("inf")), tl.exp(z - M), 0.0)
+        if tl.sum(acc, axis=0) < p * mass_k:
+            hi = mid
+        else:
+            lo = mid + 1
     tp = lo
     best_key = tl.full([BLOCK], -float("inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
@@ -709,8 +701,7 @@ def _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP
 
 @triton.jit
 def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr, seed, off,
-                     CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr,
-                     FALLBACK_WAYS: tl.constexpr):
+                     CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr):
     """The row's token from its n candidates (every value >= L): sort them (a SMALL_SORT block when
     they fit: H200, the last program's selection 3.8 us with a 512 sort), read tau_k and tau_p off
     the sorted prefix sums, race the survivors; the exact bisection over the row when the list
@@ -728,8 +719,7 @@ def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_
     complete = tl.where(k > 0, L < float("inf"), (cand_mass >= p * Z) | (V <= CAP))
     complete = complete & (n <= CAP)
     if complete == 0:
-        tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off, FALLBACK_BLOCK,
-                                        FALLBACK_WAYS, 1024)
+        tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off, FALLBACK_BLOCK)
     return tok
 
 
@@ -740,8 +730,7 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                    T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                    MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr,
                    CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                   FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, FALLBACK_WAYS: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -770,7 +759,7 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
             if tl.atomic_add(done_ptr, 1) == P - 1:
                 n = tl.atomic_add(done_ptr + 1, 0)
                 tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
-                                       seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT, FALLBACK_WAYS)
+                                       seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
                 tl.store(out_ptr + row, tok.to(tl.int64))
 
 
@@ -804,8 +793,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
                               T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                               MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
                               CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                              FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, FALLBACK_WAYS: tl.constexpr,
-                              LD_POLL: tl.constexpr = False,
+                              FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
@@ -888,7 +876,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
         if finish:
             tl.debug_barrier()
             tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
-                                   seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT, FALLBACK_WAYS)
+                                   seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
             tl.store(cnt_ptr + row, 0)
             tl.store(out_ptr + row, tok.to(tl.int64))
 
@@ -1248,7 +1236,7 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
     _sample_kernel[(B, P)](
         x2, x2.stride(0), V, P, m, s, a, out, *args, off_out, cnt, best, cand_z, cand_i, **flags,
         CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=TWO_LAUNCH_FALLBACK_BLOCK,
-        FALLBACK_WAYS=2, SMALL_SORT=min(small_sort(), cap), num_warps=_warps(chunk) * 2,
+        SMALL_SORT=min(small_sort(), cap), num_warps=_warps(chunk) * 2,
         **pdl_options(x2.device))
 
 
@@ -1273,5 +1261,5 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0),
         barrier, count, cand_z, cand_i, spin_cap, **flags,
         OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
-        FALLBACK_WAYS=FALLBACK_WAYS, SMALL_SORT=min(small_sort(), cap),
+        SMALL_SORT=min(small_sort(), cap),
         LD_POLL=dev.type == "cuda", num_warps=_warps(chunk) * 2, **pdl_options(dev))

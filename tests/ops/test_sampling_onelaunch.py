@@ -430,9 +430,7 @@ SAMPLE_MIXES = [dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.0),     # the
                 dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1),      # min-p race: per-program slots
                 dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0),      # greedy
                 dict(temperature=1.2, top_k=0, top_p=0.3, min_p=0.0),      # top-p alone
-                dict(temperature=0.9, top_k=200, top_p=1.0, min_p=0.0),    # k > P: the bisection fallback
-                dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0)]      # nucleus below the list: fallback,
-                                                                           # 16 points a pass vs 2 (two launches)
+                dict(temperature=0.9, top_k=200, top_p=1.0, min_p=0.0)]    # k > P: the bisection fallback
 
 
 @pytest.mark.parametrize("mix", SAMPLE_MIXES)

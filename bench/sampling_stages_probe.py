@@ -103,7 +103,7 @@ def stamped_sample(x2, out, stamps, temperature, top_k, top_p, min_p, seed, offs
         x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
         offset.view(-1), 0, barrier, count, cand_z, cand_i, SPIN_CAP, stamps, **flags,
         OFFSET_TENSOR=True, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
-        SMALL_SORT=min(small_sort(), cap), LD_POLL=True, num_warps=_warps(chunk) * 2, **pdl_options(dev))
+        SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, LD_POLL=True, num_warps=_warps(chunk) * 2, **pdl_options(dev))
 '''
 
 
@@ -176,6 +176,13 @@ def main(path: str | None = None) -> dict:
             key = f"{name}_small_sort_{cap}"
             out["stages"][key] = stages(mod, MIXES[name], cap)
             print(key, out["stages"][key], flush=True)
+    # the candidate-slot reservation: relaxed vs acq_rel (module constant RESERVE_SEM)
+    default_sem = ks.RESERVE_SEM
+    for sem in ("acq_rel", "relaxed"):
+        ks.RESERVE_SEM = sem
+        out["ab"][f"t0.7_k50_p0.9_reserve_{sem}_us"] = ab(MIXES["t0.7_k50_p0.9"], caps=(128,))["small_sort_128_us"]
+        print(sem, out["ab"][f"t0.7_k50_p0.9_reserve_{sem}_us"], flush=True)
+    ks.RESERVE_SEM = default_sem
     # top-p alone on these rows (N(0, 4.3^2) logits: a ~400-token nucleus) overflows the candidate
     # list and takes the one-program bisection: time it per FALLBACK_BLOCK
     dev = torch.device("cuda")

@@ -80,6 +80,7 @@ TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
 SMALL_SORT = 128          # up to this many candidates: a sort of this block, not of CAP
 FALLBACK_BLOCK = 4096     # elements per step of the bisection fallback's passes over the row:
                           # H200, top-p alone at [1, 128256]: 721 vs 1534 us with 1024 (8192 spills)
+RESERVE_SEM = "relaxed"    # one-launch sampler: the candidate-slot reservation atomic (A/B: "acq_rel")
 TWO_LAUNCH_FALLBACK_BLOCK = 1024  # many rows: 4096 takes 207 registers, halves the programs per SM
                                   # (H200 [64, 128256] k 50 / p 0.9: 145.6 vs 91.8 us)
 INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
@@ -654,11 +655,14 @@ def _candidate_bound(chunk_max, k, p, P, V, PB: tl.constexpr, CAP: tl.constexpr,
 
 @triton.jit
 def _append_candidates(z, cols, inb, L, n_ptr, cand_z_ptr, cand_i_ptr, row, CAP: tl.constexpr,
-                       PACKED: tl.constexpr = False):
+                       PACKED: tl.constexpr, SEM: tl.constexpr):
     """Append this chunk's values >= L (and their columns) to the row's list; n_ptr counts them
-    (PACKED: in the low 32 bits of an int64 whose high bits count arrivals)."""
+    (PACKED: in the low 32 bits of an int64 whose high bits count arrivals). SEM "relaxed" is
+    enough when the caller's arrival on the same counter releases the stores: the reservation
+    only hands out slots, and RMWs on one address keep the release sequence."""
     is_cand = inb & (z >= L) & (z > -float("inf"))
-    base = tl.atomic_add(n_ptr, tl.sum(is_cand.to(tl.int32), axis=0).to(n_ptr.dtype.element_ty))
+    base = tl.atomic_add(n_ptr, tl.sum(is_cand.to(tl.int32), axis=0).to(n_ptr.dtype.element_ty), sem=SEM,
+                         scope="gpu")
     if PACKED:
         base = base & 0xFFFFFFFF
     slot = base + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1
@@ -755,7 +759,7 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                 tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
         else:
             L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
-            _append_candidates(z, cols, inb, L, done_ptr + 1, cand_z_ptr, cand_i_ptr, row, CAP)
+            _append_candidates(z, cols, inb, L, done_ptr + 1, cand_z_ptr, cand_i_ptr, row, CAP, False, "acq_rel")
             if tl.atomic_add(done_ptr, 1) == P - 1:
                 n = tl.atomic_add(done_ptr + 1, 0)
                 tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
@@ -793,7 +797,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
                               T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                               MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
                               CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
-                              FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, LD_POLL: tl.constexpr = False,
+                              FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr,
+                              RESERVE_SEM: tl.constexpr = "acq_rel", LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
@@ -868,7 +873,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
         n = 0
         finish = (senders == 0) & (c == 0)
         if mine:
-            _append_candidates(z, cols, inb, L, cnt_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP, True)
+            _append_candidates(z, cols, inb, L, cnt_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP, True,
+                               RESERVE_SEM)
             tl.debug_barrier()  # the candidate stores precede the release below
             old = tl.atomic_add(cnt_ptr + row, 1 << 32, sem="acq_rel", scope="gpu")
             finish = (old >> 32) == senders - 1
@@ -1261,5 +1267,5 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0),
         barrier, count, cand_z, cand_i, spin_cap, **flags,
         OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
-        SMALL_SORT=min(small_sort(), cap),
+        SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM,
         LD_POLL=dev.type == "cuda", num_warps=_warps(chunk) * 2, **pdl_options(dev))

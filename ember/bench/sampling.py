@@ -12,7 +12,7 @@ Floors (H200: 4.15 TB/s copy bandwidth, ~2-3 us per dependent kernel launch insi
     barriers, x read once): 93.6 us, 67.5% measured at its default 8192,8,2,1 (target 80%, missed;
     ``wave_sweep`` times its shapes, ember/kernels/sampling.py ``_softmax_waves_kernel`` has the table).
   * sample [1, 128256]: one launch (grid barrier) over 513 KB plus a sort of the candidates (a 128
-    block when <= 128, else 512) in one program: 8.6 us measured (10.4 with the 512 sort), against
+    block when <= 128, else 512) in one program: 8.3 us measured (10.2 with the 512 sort), against
     6.7 us with temperature alone; bench/sampling_stages_probe.py times each stage.
 """
 from __future__ import annotations

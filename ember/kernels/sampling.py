@@ -35,7 +35,7 @@ Two shapes of work:
 
 Sampling (``sample``; the semantics are ember/ops/sampling.py's float64 reference) is the same two
 launches, or for few rows (B * P <= SM count, GPU) both in one (``_sample_one_launch_kernel``: grid
-barrier between them; H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9: 8.6 us (two launches: 11.6, measured
+barrier between them; H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9: 8.3 us (two launches: 11.6, measured
 before the small sort), temperature alone 6.7 us).
 Launch 2 draws with an exponential race (Gumbel-max): token ``argmax(z - log(-log u))``
 over the surviving tokens, ``u`` from Philox keyed on (seed, token, row, offset), so no sort and no
@@ -52,11 +52,11 @@ cumulative sum over the row. The survivors are ``{z >= tau}`` for one threshold 
     N(0, 4.3^2) logits, a ~400-token nucleus: 0.7 ms). Spreading that search over the row's
     resident programs (a few rounds of mass histograms over the key, a grid barrier each) is what
     would bring it to tens of microseconds.
-Where the one-launch sampler's time goes (H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9, 8.6 us;
+Where the one-launch sampler's time goes (H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9, 8.3 us;
 ``bench/sampling_stages_probe.py`` stamps each stage; sampling_stages_probe.json): chunk statistics
 1.0 us, grid barrier 1.0, row statistics 0.7, candidate bound (sort of the 126 chunk maxima) 1.1,
-append (one reservation atomic, ~50 of the 126 programs) 1.4, arrival 0.7, the last program's
-selection 1.9 (sort of 128; 3.8 with the 512 sort). Thresholds by counting ([n, n] comparisons in
+append (one relaxed reservation atomic, ~50 of the 126 programs) 1.15, arrival 0.7, the last
+program's selection 2.0 (sort of 128; 3.8 with the 512 sort). An acq_rel reservation: 8.7 us. Thresholds by counting ([n, n] comparisons in
 registers instead of sorts) measured slower: bound 2.2 us, selection 6.2 us.
 """
 from __future__ import annotations

@@ -80,31 +80,15 @@ def _stamped_module():
     text = text.replace('@triton.jit(do_not_specialize=["t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar", "offset_scalar",\n                               "spin_cap"])\n' + _STAMP_FN, _STAMP_FN)
     d = tempfile.mkdtemp()
     path = Path(d) / "ember_sampling_stamped.py"
-    path.write_text(text + "# ---- launch helpers" + tail + "\n" + _LAUNCH)
+    # the module's own sample_one_launch passes the stamp buffer it is given in STAMPS
+    launch = "barrier, count, cand_z, cand_i, spin_cap, **flags,"
+    assert tail.count(launch) == 1
+    tail = tail.replace(launch, "barrier, count, cand_z, cand_i, spin_cap, STAMPS, **flags,")
+    path.write_text(text + "# ---- launch helpers" + tail)
     spec = importlib.util.spec_from_file_location("ember_sampling_stamped", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-_LAUNCH = '''
-def stamped_sample(x2, out, stamps, temperature, top_k, top_p, min_p, seed, offset):
-    B, V = x2.shape
-    chunk, P, PB = _split(V)
-    cap = min(CAP, max(16, triton.next_power_of_2(V)))
-    dev = x2.device
-    part = torch.empty((3, B, P), dtype=torch.float32, device=dev)
-    slots = torch.empty((B, P), dtype=torch.int64, device=dev)
-    cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
-    cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
-    barrier, count, _ = _workspace(dev, B)
-    args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
-    _sample_one_launch_kernel[(B, P)](
-        x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
-        offset.view(-1), 0, barrier, count, cand_z, cand_i, SPIN_CAP, stamps, **flags,
-        OFFSET_TENSOR=True, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
-        SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, LD_POLL=True, num_warps=_warps(chunk) * 2, **pdl_options(dev))
-'''
 
 
 def stages(mod, mix: dict, small_sort: int) -> dict:
@@ -117,7 +101,8 @@ def stages(mod, mix: dict, small_sort: int) -> dict:
     out = torch.empty(1, dtype=torch.int64, device=dev)
     p = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | mix
     with env_vars({"EMBER_SAMPLING_SMALL_SORT": str(small_sort)}):
-        run = lambda x: mod.stamped_sample(x, out, stamps, p["temperature"], p["top_k"], p["top_p"], p["min_p"], seed, off)
+        mod.STAMPS = stamps
+        run = lambda x: mod.sample_one_launch(x, out, p["temperature"], p["top_k"], p["top_p"], p["min_p"], seed, off)
         for x in xs:
             run(x)
         torch.cuda.synchronize()

@@ -56,8 +56,9 @@ Where the one-launch sampler's time goes (H200 [1, 128256] T 0.7 / top-k 50 / to
 ``bench/sampling_stages_probe.py`` stamps each stage; sampling_stages_probe.json): chunk statistics
 1.0 us, grid barrier 1.0, row statistics 0.7, candidate bound (sort of the 126 chunk maxima) 1.1,
 append (one relaxed reservation atomic, ~50 of the 126 programs) 1.15, arrival 0.7, the last
-program's selection 2.0 (sort of 128; 3.8 with the 512 sort). An acq_rel reservation: 8.7 us. Thresholds by counting ([n, n] comparisons in
-registers instead of sorts) measured slower: bound 2.2 us, selection 6.2 us.
+program's selection 2.0 (sort of 128; 3.8 with the 512 sort). An acq_rel reservation: 8.7 us.
+Thresholds by counting ([n, n] comparisons in registers instead of sorts) measured slower: bound
+2.2 us, selection 6.2 us.
 """
 from __future__ import annotations
 
@@ -710,12 +711,8 @@ def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_
     they fit: H200, the last program's selection 3.8 us with a 512 sort), read tau_k and tau_p off
     the sorted prefix sums, race the survivors; the exact bisection over the row when the list
     overflowed or cannot decide top-p."""
-    if SMALL_SORT < CAP:
-        if n <= SMALL_SORT:
-            tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP,
-                                         SMALL_SORT)
-        else:
-            tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, CAP)
+    if n <= SMALL_SORT:
+        tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, SMALL_SORT)
     else:
         tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, CAP)
     # top-k: the candidates hold every value >= L <= tau_k. top-p alone: they hold all the mass
@@ -798,7 +795,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
                               MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
                               CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
                               FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr,
-                              RESERVE_SEM: tl.constexpr = "acq_rel", LD_POLL: tl.constexpr = False,
+                              RESERVE_SEM: tl.constexpr, LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,

@@ -83,7 +83,8 @@ FALLBACK_BLOCK = 4096     # elements per step of the bisection fallback's passes
                           # H200, top-p alone at [1, 128256]: 721 vs 1534 us with 1024 (8192 spills)
 RESERVE_SEM = "relaxed"    # one-launch sampler: the candidate-slot reservation atomic (A/B: "acq_rel")
 TWO_LAUNCH_FALLBACK_BLOCK = 1024  # many rows: 4096 takes 207 registers, halves the programs per SM
-                                  # (H200 [64, 128256] k 50 / p 0.9: 145.6 vs 91.8 us)
+                                  # (H200 [64, 128256] k 50 / p 0.9: 145.6 vs 91.8 us; the
+                                  # 145.6 run's JSON was not kept: raw/README.md)
 INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.constexpr(...) globals
 # grid barrier: every launch adds exactly BARRIER_GEN to the counter (module docstring of
 # _softmax_one_launch_kernel), so it is a multiple of BARRIER_GEN between launches

@@ -19,14 +19,28 @@ from ember.kernels._common import arrival_counters, env_ints, pdl_options, pdl_s
 @triton.jit
 def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, q_ptr,
                                stride_qkv, stride_cos, skb, skh, sks, svb, svh, svs, eps, T,
-                               NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PREFILL: tl.constexpr = False,
-                               PDL: tl.constexpr = False):
-    pdl_start(PDL)
+                               pre_ptr, pre_eps, PRE_N, NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                               PREFILL: tl.constexpr = False, PRENORM: tl.constexpr = False,
+                               BLOCK_PRE: tl.constexpr = 16, PDL: tl.constexpr = False):
     # One program per (token row, head) for the NH query heads and KVH key heads; key-head programs
     # also copy that head's v. Decode: row r is cache row r at positions[r]. PREFILL: the rows are
     # B sequences of T tokens, row r is token r % T (its position) of cache row r // T.
+    # PRENORM (decode): qkv was projected from h * norm_weight (ops.moe_experts_add_scale); every
+    # program computes 1 / rms(h) of its row (same code, same value) and scales q, k, v by it. h is
+    # read before waiting for the previous kernel: it was written by the kernel before that (the
+    # MoE down GEMV, ahead of the qkv projection), finished by now (see _common.pdl_start); volatile,
+    # so no stale L1 line of an earlier layer's h (the same buffer address) is read.
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    pre_scale = 1.0
+    if PRENORM:
+        pk = tl.arange(0, BLOCK_PRE)
+        ss = tl.zeros([BLOCK_PRE], dtype=tl.float32)
+        for k0 in range(0, PRE_N, BLOCK_PRE):
+            hv = tl.load(pre_ptr + r * PRE_N + k0 + pk, mask=k0 + pk < PRE_N, other=0.0, volatile=True)
+            ss += hv.to(tl.float32) * hv.to(tl.float32)
+        pre_scale = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / PRE_N + pre_eps)
+    pdl_start(PDL)
     HALF: tl.constexpr = D // 2
     offs = tl.arange(0, HALF)
     if PREFILL:
@@ -47,9 +61,14 @@ def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_pt
         dst = kc_ptr + b * skb + kvh * skh + pos * sks
         v_offs = tl.arange(0, D)
         v = tl.load(row + (NH + KVH + kvh) * D + v_offs)
+        if PRENORM:
+            v = round_to(v.to(tl.float32) * pre_scale, vc_ptr.dtype.element_ty)
         tl.store(vc_ptr + b * svb + kvh * svh + pos * svs + v_offs, v)
     x1 = tl.load(src + offs).to(tl.float32)
     x2 = tl.load(src + HALF + offs).to(tl.float32)
+    if PRENORM:
+        x1 *= pre_scale
+        x2 *= pre_scale
     inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
     dt = q_ptr.dtype.element_ty
     # Round after the norm and round cos/sin, as the reference (and transformers) do in the I/O dtype.
@@ -61,23 +80,30 @@ def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_pt
     tl.store(dst + HALF + offs, round_to(n2 * c + n1 * s, dt))
 
 
-def _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, T, prefill):
+def _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, T, prefill,
+                         prenorm_h=None, prenorm_eps=0.0):
     rows = qkv.shape[0]
     NH, D = q_out.shape[-2], q_out.shape[-1]
     KVH = k_cache.shape[1]
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
+    pre = prenorm_h if prenorm_h is not None else qkv  # unused pointer without PRENORM
+    # the whole row in one step on the GPU (2048 values: 64 per lane of the one warp)
+    block_pre = min(4096 if qkv.device.type == "cuda" else 64, triton.next_power_of_2(pre.shape[-1]))
     _qk_norm_rope_cache_kernel[(rows, NH + KVH)](
         qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, T,
-        NH=NH, KVH=KVH, D=D, PREFILL=prefill, num_warps=1, **pdl_options(qkv.device))
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, T, pre, float(prenorm_eps), pre.shape[-1],
+        NH=NH, KVH=KVH, D=D, PREFILL=prefill, PRENORM=prenorm_h is not None, BLOCK_PRE=block_pre, num_warps=1,
+        **pdl_options(qkv.device))
 
 
-def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps) -> None:
-    """Decode: qkv [B, F], positions [B], q_out [B, NH, D]."""
-    _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, 1, False)
+def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, prenorm_h=None,
+                       prenorm_eps=0.0) -> None:
+    """Decode: qkv [B, F], positions [B], q_out [B, NH, D]; prenorm_h [B, H] (contiguous) or None."""
+    _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, 1, False,
+                         prenorm_h, prenorm_eps)
 
 
 def prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, q_out, eps) -> None:

@@ -333,9 +333,10 @@ def _down_slice(acc, w, h_ptr, pair, weight, rows, row_mask, row_s, k0, scale_pt
 @triton.jit
 def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
                       stride_out, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                      res_ptr, lnw_ptr, scaled_ptr,
                       H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-                      IDS_BEFORE: tl.constexpr, PDL: tl.constexpr = False):
+                      IDS_BEFORE: tl.constexpr, FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N output rows; no atomics.
 
     IDS_BEFORE (the ids were written before the gate_up GEMV ran, i.e. not by its fused routing; off
@@ -343,7 +344,9 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
     before waiting for the previous kernel (gate_up, whose h this reads) it loads the expert ids and
     routing weights (finished by now, see _common.pdl_start; volatile: around L1) and the first
     expert's first weight tile, so the ids -> weights latency chain overlaps gate_up's tail. H200
-    Qwen3-30B-A3B decode step: 2.653 vs 2.677 ms without (bench/step_variants.py)."""
+    Qwen3-30B-A3B decode step: 2.653 vs 2.677 ms without (bench/step_variants.py).
+
+    FOLD: see _store_out_or_fold (out becomes the new residual, scaled_ptr gets it times lnw)."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -355,6 +358,7 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
     w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
     if IDS_BEFORE:
         pdl_start(PDL)
+    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = t * TOP_K + j
@@ -382,8 +386,35 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
                 w = _down_tile(w_base, rows, row_mask, k0, stride_wn, stride_wk, I, BLOCK_K)
                 acc = _down_slice(acc, w, h_ptr, pair, weight, rows, row_mask, row_s, k0, scale_ptr, e, stride_se,
                                   stride_sn, stride_sk, I, SCALE, BLOCK_K)
-    out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + t * stride_out + rows, round_to(out, out_ptr.dtype.element_ty), mask=row_mask)
+    _store_out_or_fold(tl.sum(acc, axis=1), out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
+
+
+@triton.jit
+def _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD: tl.constexpr):
+    """FOLD: the residual rows (token t) and the next norm's weights the epilogue needs, loaded early
+    so their latency overlaps the weight stream."""
+    if FOLD:
+        r = tl.load(res_ptr + t * H + rows, mask=row_mask, other=0.0).to(tl.float32)
+        lw = tl.load(lnw_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    else:
+        r, lw = rows, rows  # unused
+    return r, lw
+
+
+@triton.jit
+def _store_out_or_fold(out, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD: tl.constexpr):
+    """Store the experts' sum ``out`` (fp32) for token t, rounded to the output dtype. FOLD: store
+    instead the new residual stream h = out + residual (each rounded as add_rmsnorm does) and
+    h * lnw into scaled_ptr: the next layer's pre-attention add_rmsnorm without its 1 / rms, which
+    needs the whole row and is applied by the kernel after the qkv projection (one launch fewer)."""
+    dt = out_ptr.dtype.element_ty
+    y = round_to(out, dt)
+    if FOLD:
+        h = round_to(y.to(tl.float32) + r, dt)
+        tl.store(out_ptr + t * stride_out + rows, h, mask=row_mask)
+        tl.store(scaled_ptr + t * H + rows, round_to(h.to(tl.float32) * lw, dt), mask=row_mask)
+    else:
+        tl.store(out_ptr + t * stride_out + rows, y, mask=row_mask)
 
 
 # ============================================================================ T == 1: GEMV kernels, v2
@@ -470,15 +501,18 @@ def _gate_up_gemv_v2_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, stride_x,
 @triton.jit
 def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stride_out,
                          stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                         res_ptr, lnw_ptr, scaled_ptr,
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                          BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled."""
+                         FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
+    """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
+    FOLD: as in _down_gemv_kernel."""
     pdl_start(PDL)
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
+    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD)
     mask_rows = row_mask[:, None]
     kk = _v2_k_offsets(LANES, VEC, BPS)
     shape: tl.constexpr = (BLOCK_N, LANES * VEC)
@@ -511,8 +545,7 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
             acc += acc_e * (factor * _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn))[:, None]
         else:
             acc += acc_e * factor
-    out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + t * stride_out + rows, round_to(out, out_ptr.dtype.element_ty), mask=row_mask)
+    _store_out_or_fold(tl.sum(acc, axis=1), out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
 
 
 # ============================================================================ T >= 2: grouped kernels
@@ -792,8 +825,14 @@ def _prefill_block_m(T: int, top_k: int, E: int) -> int:
     return int(min(128, max(16, triton.next_power_of_2(int(1.5 * mean) + 1))))
 
 
-def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormalize, out):
-    """T == 1 path (also correct for any T, one pair per program). ``logits`` set -> routing fused in."""
+def _fold_args(fold, out):
+    """Kernel arguments of the down GEMVs' FOLD epilogue: (residual, norm weight, scaled out) or dummies."""
+    return dict(FOLD=fold is not None), (fold if fold is not None else (out, out, out))
+
+
+def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormalize, out, fold=None):
+    """T == 1 path (also correct for any T, one pair per program). ``logits`` set -> routing fused in.
+    ``fold = (residual, norm_weight, scaled)``: see _store_out_or_fold."""
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
     I = two_i // 2
@@ -811,10 +850,12 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
     cfg = _config("gemv_down", x.device)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     bn, bk = cfg["BLOCK_N"], _sub_k(mode, cfg["BLOCK_K"])
+    fold_kw, fold_ptrs = _fold_args(fold, out)
     _down_gemv_kernel[(T, triton.cdiv(H, bn))](
-        h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, H=H, I=I,
+        h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, H=H, I=I,
         TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"], num_warps=cfg["num_warps"],
-        IDS_BEFORE=not fused and os.environ.get("EMBER_MOE_DOWN_PREFETCH", "1") != "0", **pdl_options(x.device))
+        IDS_BEFORE=not fused and os.environ.get("EMBER_MOE_DOWN_PREFETCH", "1") != "0", **fold_kw,
+        **pdl_options(x.device))
     return out
 
 
@@ -901,7 +942,7 @@ def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
                 BPS=max(1, lanes * vec // SCALE_BLOCK), num_warps=cfg["num_warps"])
 
 
-def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out):
+def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=None):
     T, H = x.shape
     I = w_down.shape[2]
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
@@ -913,10 +954,11 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out):
         num_warps=cfg["num_warps"], num_stages=1, **pdl_options(x.device))
     cfg = _t1_v2_config("gemv_v2_down", w_down, I)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
+    fold_kw, fold_ptrs = _fold_args(fold, out)
     _down_gemv_v2_kernel[(T, triton.cdiv(H, cfg["BLOCK_N"]))](
-        h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, H=H, I=I, TOP_K=top_k,
-        SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
-        num_warps=cfg["num_warps"], num_stages=1, **pdl_options(x.device))
+        h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, H=H, I=I,
+        TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
+        num_warps=cfg["num_warps"], num_stages=1, **fold_kw, **pdl_options(x.device))
     return out
 
 
@@ -989,6 +1031,21 @@ def experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_sc
         part = slice(t0, t0 + rows)
         _experts_grouped(x[part], w_gate_up, w_down, gate_up_scale, down_scale, ids[part], tw[part], top_k, out[part])
     return out
+
+
+def experts_add_scale(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale, residual,
+                      norm_weight):
+    """One token: (h, h * norm_weight) with h = experts(x) + residual (ops.moe_experts_add_scale)."""
+    x = _rows_contiguous(x)
+    ids = topk_ids.to(torch.int32).contiguous()
+    tw = topk_weights.to(torch.float32).contiguous()
+    h, scaled = torch.empty_like(x), torch.empty_like(x)
+    fold = (residual.contiguous(), norm_weight.contiguous(), scaled)
+    if t1_variant(x.device, fp8=w_gate_up.element_size() == 1) == "v2":
+        _experts_gemv_v2(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, ids.shape[1], h, fold)
+    else:
+        _experts_gemv(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, None, ids.shape[1], True, h, fold)
+    return h, scaled
 
 
 # The grouped path's per-pair fp32 rows take T * top_k * H * 4 bytes (a 32k-token Qwen3-30B-A3B

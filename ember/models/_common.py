@@ -136,18 +136,34 @@ class Attention(nn.Module):
         out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out)
 
-    def _decode_from_qkv(self, qkv: torch.Tensor, positions, seq_lens, cos, sin, cache) -> torch.Tensor:
+    def prescaled_decode_ok(self, batch: int) -> bool:
+        """Whether :meth:`decode_prescaled` can run this step: one row, ``EMBER_NORM_DEFER`` not "0", and
+        none of the opt-in attention paths it would bypass (environment read per call, so while capturing)."""
+        return (batch == 1 and os.environ.get("EMBER_NORM_DEFER", "1") != "0"
+                and all(os.environ.get(k, "0") != "1"
+                        for k in ("EMBER_ATTN_FUSED_ROPE", "EMBER_FUSED_QKV", "EMBER_NORM_QKV_FUSED")))
+
+    def decode_prescaled(self, scaled: torch.Tensor, h: torch.Tensor, eps: float, positions: torch.Tensor,
+                         seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``decode(add_rmsnorm's normed h)`` given ``scaled = h * norm_weight`` (the previous layer's
+        ``moe_experts_add_scale``): the 1 / rms(h) is applied after the qkv projection, in the q/k
+        norm + RoPE launch (``prenorm``), so the norm has no launch of its own."""
+        return self._decode_from_qkv(self.qkv(scaled), positions, seq_lens, cos, sin, cache, prenorm=(h, eps))
+
+    def _decode_from_qkv(self, qkv: torch.Tensor, positions, seq_lens, cos, sin, cache,
+                         prenorm: tuple | None = None) -> torch.Tensor:
         """q/k norm + RoPE + cache write, decode attention, output projection."""
         c = self.cfg
         # opt-in (read per call, so while capturing): the H200 decode step measured it slower, 2.706 vs
         # 2.576 ms (bench/results/h200/step_variants_fold2.json; ARCHITECTURE.md, attention)
-        if os.environ.get("EMBER_ATTN_FUSED_ROPE", "0") == "1":
+        if prenorm is None and os.environ.get("EMBER_ATTN_FUSED_ROPE", "0") == "1":
             out = attn_ops.qk_norm_rope_attention(qkv, self.q_norm, self.k_norm, cos, sin, positions, seq_lens,
                                                   cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps,
                                                   scale=self.scale)
         else:
             q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
-                                            num_heads=c.num_heads, eps=c.rms_norm_eps)
+                                            num_heads=c.num_heads, eps=c.rms_norm_eps, prenorm=prenorm)
             out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out)
 
@@ -242,21 +258,38 @@ class CausalLM(nn.Module):
                 for layer in self.cache_specs(max_batch_size, max_seq_len, dtype)]
 
     def _run(self, x: torch.Tensor, attend, last_only: bool = False,
-             last_index: torch.Tensor | None = None, attend_add_norm=None) -> torch.Tensor:
+             last_index: torch.Tensor | None = None, attend_add_norm=None, attend_prescaled=None) -> torch.Tensor:
         """The decoder stack. ``attend(i, attn, normed)`` runs layer i's mixer; ``attend_add_norm(i,
         attn, m, residual, norm_weight)`` (decode), where it returns non-None, runs it on
-        ``add_rmsnorm(m, residual, norm_weight)`` with the norm folded in and returns (out, new residual)."""
+        ``add_rmsnorm(m, residual, norm_weight)`` with the norm folded in and returns (out, new residual).
+        ``attend_prescaled(i, attn, scaled, h)`` (decode) runs layer i's mixer on ``add_rmsnorm``'s
+        output given h (the new residual) and h * norm_weight, which the previous layer's MLP wrote
+        instead of its output where both layers can (``add_norm_forward_prescaled`` and
+        ``prescaled_decode_ok``): the pre-attention norm then has no launch of its own."""
         normed, residual = ember.ops.rmsnorm(x, self.layers[0].ln1, self.eps), x
+        prescaled = None  # (h, h * ln1) from the previous layer's MLP
         for i, layer in enumerate(self.layers):
             folded = None
-            if i > 0 and attend_add_norm is not None:
-                folded = attend_add_norm(i, layer.attn, m, residual, layer.ln1)
-            if folded is not None:
-                a, residual = folded
+            if prescaled is not None:
+                residual, scaled = prescaled
+                a = attend_prescaled(i, layer.attn, scaled, residual)
             else:
-                if i > 0:
-                    normed, residual = ember.ops.add_rmsnorm(m, residual, layer.ln1, self.eps)
-                a = attend(i, layer.attn, normed)
+                if i > 0 and attend_add_norm is not None:
+                    folded = attend_add_norm(i, layer.attn, m, residual, layer.ln1)
+                if folded is not None:
+                    a, residual = folded
+                else:
+                    if i > 0:
+                        normed, residual = ember.ops.add_rmsnorm(m, residual, layer.ln1, self.eps)
+                    a = attend(i, layer.attn, normed)
+            prescaled = None
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            fold_next = getattr(layer.mlp, "add_norm_forward_prescaled", None)
+            if (attend_prescaled is not None and fold_next is not None and nxt is not None
+                    and getattr(nxt.attn, "prescaled_decode_ok", lambda b: False)(a.shape[0])):
+                prescaled = fold_next(a, residual, layer.ln2, self.eps, nxt.ln1)
+                if prescaled is not None:
+                    continue
             # an MLP that can fold the post-attention norm into its first launch (the MoE router) does
             fused = getattr(layer.mlp, "add_norm_forward", None)
             folded = fused(a, residual, layer.ln2, self.eps) if fused is not None else None
@@ -292,8 +325,10 @@ class CausalLM(nn.Module):
             fold = getattr(attn, "add_norm_decode", None)
             return None if fold is None else fold(m, residual, norm_weight, self.eps, positions, seq_lens,
                                                   self.cos, self.sin, caches[i])
+        def attend_prescaled(i, attn, scaled, h):
+            return attn.decode_prescaled(scaled, h, self.eps, positions, seq_lens, self.cos, self.sin, caches[i])
         return self._run(x, lambda i, attn, h: attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i]),
-                         attend_add_norm=attend_add_norm)
+                         attend_add_norm=attend_add_norm, attend_prescaled=attend_prescaled)
 
 
 # ----------------------------------------------------------------------------- loading helpers

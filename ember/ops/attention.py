@@ -61,6 +61,20 @@ def _validate_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n
     return _validate_norm_rope_args("qkv", qkv.shape[0], q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps)
 
 
+def _validate_prenorm(prenorm, qkv) -> tuple[torch.Tensor | None, float]:
+    if prenorm is None:
+        return None, 0.0
+    if not isinstance(prenorm, tuple) or len(prenorm) != 2:
+        raise TypeError(f"prenorm: expected a (h, eps) tuple, got {type(prenorm).__name__}")
+    h, h_eps = prenorm
+    _checks.tensor("prenorm[0]", h, ndim=2)
+    _checks.same_device(qkv=qkv, **{"prenorm[0]": h})
+    _checks.same_dtype(qkv=qkv, **{"prenorm[0]": h})
+    if h.shape[0] != qkv.shape[0]:
+        raise ValueError(f"prenorm[0]: expected {qkv.shape[0]} rows (qkv's), got {h.shape[0]}")
+    return h.contiguous(), _checks.positive_float("prenorm[1]", h_eps)
+
+
 def _validate_qkv_heads(qkv, k_cache, num_heads):
     """num_heads against the cache's kv heads, and qkv's last dim against both (shared by decode and prefill)."""
     _, kvh, _, D = k_cache.shape
@@ -158,10 +172,10 @@ def _validate_lengths_scale(rows_name, rows, seq_lens, scale):
 
 
 # ----------------------------------------------------------------------------- references
-def _head_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last (head) dim in float32, rounded to x's dtype."""
+def _head_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm over the last (head) dim in float32, rounded to ``dtype`` (default x's)."""
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(dtype or x.dtype)
 
 
 def _rope_rounded(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -171,18 +185,24 @@ def _rope_rounded(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Te
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
 
 
-def qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+def qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps,
+                                 prenorm_h=None, prenorm_eps=0.0):
     """Spec: per-head RMSNorm (fp32 math, rounded to the I/O dtype), then RoPE with cos/sin rounded to
-    the I/O dtype (as transformers applies it), k and v written at ``positions``."""
-    B = qkv.shape[0]
+    the I/O dtype (as transformers applies it), k and v written at ``positions``. ``prenorm_h``
+    [B, H]: qkv is first multiplied, in float32, by 1 / rms(prenorm_h) (eps ``prenorm_eps``), the
+    layer's input norm deferred past the projection; v is rounded to the I/O dtype after it."""
+    B, dt = qkv.shape[0], qkv.dtype
     kvh, D = k_cache.shape[1], k_cache.shape[3]
+    if prenorm_h is not None:
+        hf = prenorm_h.float()
+        qkv = qkv.float() * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + prenorm_eps)
     q, k, v = qkv.split([num_heads * D, kvh * D, kvh * D], -1)
     c, s = cos[positions][:, None], sin[positions][:, None]
-    q = _rope_rounded(_head_rmsnorm(q.reshape(B, num_heads, D), q_norm, eps), c, s)
-    k = _rope_rounded(_head_rmsnorm(k.reshape(B, kvh, D), k_norm, eps), c, s)
+    q = _rope_rounded(_head_rmsnorm(q.reshape(B, num_heads, D), q_norm, eps, dt), c, s)
+    k = _rope_rounded(_head_rmsnorm(k.reshape(B, kvh, D), k_norm, eps, dt), c, s)
     rows = torch.arange(B, device=qkv.device)
     k_cache[rows, :, positions] = k
-    v_cache[rows, :, positions] = v.reshape(B, kvh, D)
+    v_cache[rows, :, positions] = v.reshape(B, kvh, D).to(dt)
     return q
 
 
@@ -229,11 +249,14 @@ def qk_norm_rope_attention_reference(qkv, q_norm, k_norm, cos, sin, positions, s
 
 
 # ----------------------------------------------------------------------------- implementations
-def _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+def _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps, prenorm_h=None,
+               prenorm_eps=0.0):
     if not _dispatch.use_triton(qkv):
-        return qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+        return qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps,
+                                            prenorm_h, prenorm_eps)
     q = torch.empty(qkv.shape[0], num_heads, k_cache.shape[3], dtype=qkv.dtype, device=qkv.device)
-    _dispatch.kernels("attention").qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q, eps)
+    _dispatch.kernels("attention").qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q, eps,
+                                                      prenorm_h, prenorm_eps)
     return q
 
 
@@ -278,12 +301,13 @@ def _rope_attention_impl(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_c
 @torch.library.custom_op("ember::qk_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
 def _rope_op(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-             eps: float) -> torch.Tensor:
-    return _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+             eps: float, prenorm_h: torch.Tensor | None, prenorm_eps: float) -> torch.Tensor:
+    return _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps, prenorm_h,
+                      prenorm_eps)
 
 
 @_rope_op.register_fake
-def _(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
+def _(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps, prenorm_h, prenorm_eps):
     return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
 
 
@@ -338,8 +362,13 @@ def _(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache, num_
 # ----------------------------------------------------------------------------- public API
 def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       *, num_heads: int, eps: float = 1e-6) -> torch.Tensor:
+                       *, num_heads: int, eps: float = 1e-6,
+                       prenorm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Per-head q/k RMSNorm + RoPE + KV-cache write for one decode token per row; returns q [B, NH, D].
+
+    ``prenorm = (h, h_eps)``, h [B, H] in qkv's dtype: qkv was projected from ``h * norm_weight``
+    without the layer's input RMSNorm scale (``moe_experts_add_scale``); q, k, v are first multiplied
+    by ``1 / sqrt(mean(h^2) + h_eps)`` in float32, v rounded after it.
 
     Example:
         >>> B, NH, KVH, D, S = 1, 4, 2, 16, 32
@@ -349,9 +378,12 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
         ...     torch.ones(D), cos, sin, torch.tensor([3]), kc, vc, num_heads=NH)
     """
     eps = _validate_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+    prenorm_h, prenorm_eps = _validate_prenorm(prenorm, qkv)
     if _dispatch.compiling():
-        return _rope_op(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
-    return _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
+        return _rope_op(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps, prenorm_h,
+                        prenorm_eps)
+    return _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps, prenorm_h,
+                      prenorm_eps)
 
 
 def prefill_qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,

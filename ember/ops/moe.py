@@ -15,6 +15,10 @@
   calls before ``moe_experts``. The logits are rounded to ``x.dtype`` first, as F.linear returns them.
 * ``add_rmsnorm_route_hidden(x, residual, norm_weight, router_weight, top_k)``: the decoder's
   post-attention ``add_rmsnorm`` and ``moe_route_hidden`` of its output, one launch on CUDA.
+* ``moe_experts_add_scale(x, ..., residual, norm_weight)`` (one token): ``h = moe_experts(x, ...) +
+  residual`` and ``h * norm_weight``, i.e. the next layer's pre-attention ``add_rmsnorm`` without its
+  1 / rms (which needs the whole row; ``qk_norm_rope_cache(prenorm=...)`` applies it), written by the
+  down GEMV's epilogue on CUDA: the decode step's per-layer norm launch folded away.
 
 Numerics (the spec the kernels are tested against): float32 math throughout, except that the
 activation ``silu(g) * u`` is rounded once to ``x.dtype`` before the down projection (as every bf16
@@ -199,6 +203,15 @@ def moe_experts_reference(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_
     return out.to(x.dtype)
 
 
+def moe_experts_add_scale_reference(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight,
+                                    gate_up_scale=None, down_scale=None):
+    """Spec: ``h = add_rmsnorm``'s residual sum of the experts' output (rounded to x.dtype) and
+    ``residual`` (rounded again), and ``h * norm_weight`` in float32 rounded to x.dtype."""
+    y = moe_experts_reference(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
+    h = (y.float() + residual.float()).to(x.dtype)
+    return h, (h.float() * norm_weight.float()).to(x.dtype)
+
+
 def moe_reference(x, router_logits, w_gate_up, w_down, top_k, renormalize=True, gate_up_scale=None, down_scale=None):
     w, ids = moe_route_reference(router_logits, top_k, renormalize)
     return moe_experts_reference(x, w_gate_up, w_down, w, ids, gate_up_scale, down_scale)
@@ -278,6 +291,15 @@ def _experts_impl(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, d
     return _dispatch.kernels("moe").experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
 
 
+def _experts_add_scale_impl(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight, gate_up_scale,
+                            down_scale):
+    if not _dispatch.use_triton(x):
+        return moe_experts_add_scale_reference(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight,
+                                               gate_up_scale, down_scale)
+    return _dispatch.kernels("moe").experts_add_scale(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale,
+                                                      down_scale, residual, norm_weight)
+
+
 def _moe_impl(x, router_logits, w_gate_up, w_down, top_k, renormalize, gate_up_scale, down_scale):
     if not _dispatch.use_triton(x):
         return moe_reference(x, router_logits, w_gate_up, w_down, top_k, renormalize, gate_up_scale, down_scale)
@@ -343,6 +365,21 @@ def _moe_experts_op(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
 @_moe_experts_op.register_fake
 def _(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("ember::moe_experts_add_scale", mutates_args=())
+def _moe_experts_add_scale_op(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                              topk_weights: torch.Tensor, topk_ids: torch.Tensor, residual: torch.Tensor,
+                              norm_weight: torch.Tensor, gate_up_scale: torch.Tensor | None,
+                              down_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    h, scaled = _experts_add_scale_impl(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight,
+                                        gate_up_scale, down_scale)
+    return h, scaled
+
+
+@_moe_experts_add_scale_op.register_fake
+def _(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight, gate_up_scale, down_scale):
+    return torch.empty_like(x), torch.empty_like(x)
 
 
 @torch.library.custom_op("ember::moe", mutates_args=())
@@ -449,6 +486,43 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     if _dispatch.compiling():
         return _moe_experts_op(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
     return _experts_impl(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
+
+
+def moe_experts_add_scale(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, *, gate_up_scale: torch.Tensor | None = None,
+                          down_scale: torch.Tensor | None = None,
+                          check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's experts added to the residual stream, and that sum times the next norm's weight.
+
+    Returns ``(h, scaled)``: ``h = moe_experts(x, ...) + residual`` (each rounded to x.dtype, as
+    ``add_rmsnorm`` forms its residual output) and ``scaled = h * norm_weight``; the decode step's
+    next pre-attention ``add_rmsnorm(...)`` equals ``scaled / rms(h)``, and the kernel after the
+    qkv projection applies the ``1 / rms(h)`` (``qk_norm_rope_cache(..., prenorm=(h, eps))``), so the
+    norm needs no launch of its own. ``x``, ``residual``: ``[1, H]``; ``norm_weight``: ``[H]``.
+
+    Example:
+        >>> x, res = torch.randn(1, 64), torch.randn(1, 64)
+        >>> w, ids = ember.ops.moe_route(torch.randn(1, 8), 2)
+        >>> h, scaled = ember.ops.moe_experts_add_scale(x, torch.randn(8, 64, 64), torch.randn(8, 64, 32), w, ids,
+        ...                                             res, torch.ones(64))
+    """
+    _validate_weights(x, w_gate_up, w_down, gate_up_scale, down_scale)
+    _validate_topk(x, w_gate_up, topk_weights, topk_ids, check)
+    if x.shape[0] != 1:
+        raise ValueError(f"x: moe_experts_add_scale takes one token, got {x.shape[0]}")
+    _checks.tensor("residual", residual)
+    _checks.tensor("norm_weight", norm_weight, ndim=1)
+    _checks.same_device(x=x, residual=residual, norm_weight=norm_weight)
+    _checks.same_dtype(x=x, residual=residual)
+    _checks.same_shape(x=x, residual=residual)
+    if norm_weight.shape[0] != x.shape[1]:
+        raise ValueError(f"norm_weight: expected length {x.shape[1]} (x.shape[-1]), got {norm_weight.shape[0]}")
+    if _dispatch.compiling():
+        return _moe_experts_add_scale_op(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight,
+                                         gate_up_scale, down_scale)
+    return _experts_add_scale_impl(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight,
+                                   gate_up_scale, down_scale)
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, *,

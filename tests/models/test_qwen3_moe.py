@@ -82,10 +82,13 @@ def test_prefill_last_index_reads_the_last_real_position_of_a_padded_prompt(pair
     assert not torch.allclose(em.net.prefill(padded, last_only=True), ref, atol=1e-3)  # the pad's own logits differ
 
 
-@pytest.mark.parametrize("env", [{"EMBER_NORM_QKV_FUSED": "1"}, {"EMBER_NORM_ROUTE_FUSED": "0"}])
+@pytest.mark.parametrize("env", [{}, {"EMBER_NORM_DEFER": "0"}, {"EMBER_NORM_QKV_FUSED": "1"},
+                                 {"EMBER_NORM_ROUTE_FUSED": "0"}])
 def test_cached_decode_with_the_norm_folds_switched_matches_transformers(pair, monkeypatch, interpreter, env):
-    """The opt-in pre-attention norm fold (qkv GEMV) and the unfused post-attention norm, through the
-    Triton kernels (interpreter): the cached decode logits still match transformers' forward."""
+    """The default decode (the pre-attention norm deferred: scaled by the MoE down GEMV, 1 / rms
+    applied after the qkv projection), that deferral off, the opt-in pre-attention norm fold (qkv
+    GEMV) and the unfused post-attention norm, through the Triton kernels (interpreter): the cached
+    decode logits still match transformers' forward."""
     hf, em = pair
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -83,6 +83,53 @@ def test_bad_input():
                              torch.tensor([0]), kc, vc, num_heads=8)
 
 
+def test_reference_prenorm_is_the_norm_before_the_projection():
+    """prenorm = (h, eps): qkv projected from h * w (no 1 / rms) gives what qkv projected from
+    rmsnorm(h) * w gives, up to the roundings the two orders differ in (float32 here: tiny)."""
+    B, NH, KVH, D, S, Hd = 2, 4, 2, 16, 32, 48
+    _, qn, kn, cos, sin, pos, kc, vc = _rope_inputs(B, NH, KVH, D, S, torch.float32)
+    h, lnw = torch.randn(B, Hd) * 3, torch.rand(Hd) + 0.5
+    w = torch.randn((NH + 2 * KVH) * D, Hd) / Hd ** 0.5
+    kc2, vc2 = kc.clone(), vc.clone()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * lnw
+    want = A.qk_norm_rope_cache_reference(normed @ w.T, qn, kn, cos, sin, pos, kc2, vc2, NH, 1e-6)
+    got = A.qk_norm_rope_cache_reference((h * lnw) @ w.T, qn, kn, cos, sin, pos, kc, vc, NH, 1e-6, h, 1e-6)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kc, kc2, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(vc, vc2, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prenorm_kernel_matches_reference_interpreter(interpreter, dtype):
+    B, NH, KVH, D, S, Hd = 2, 8, 2, 16, 70, 100  # 100: the h row is read in masked 64-wide steps
+    qkv, qn, kn, cos, sin, pos, kc, vc = _rope_inputs(B, NH, KVH, D, S, dtype)
+    h = (torch.randn(B, Hd) * 4).to(dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = A.qk_norm_rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, num_heads=NH, prenorm=(h, 1e-5))
+    q_ref = A.qk_norm_rope_cache_reference(qkv, qn, kn, cos, sin, pos, kc2, vc2, NH, 1e-6, h, 1e-5)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1.6e-2)  # kernel rounds once, reference per op
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=tol[0], rtol=tol[1])
+    torch.testing.assert_close(kc.float(), kc2.float(), atol=tol[0], rtol=tol[1])
+    # v: one product and one rounding in both; the 1 / rms may differ in its last bit (summation order)
+    torch.testing.assert_close(vc.float(), vc2.float(), atol=tol[0], rtol=tol[1])
+
+
+def test_prenorm_bad_input():
+    B, NH, KVH, D, S = 1, 4, 2, 16, 32
+    qkv, qn, kn, cos, sin, pos, kc, vc = _rope_inputs(B, NH, KVH, D, S, torch.float32)
+    call = lambda pre: A.qk_norm_rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, num_heads=NH, prenorm=pre)  # noqa: E731
+    with pytest.raises(TypeError, match=r"prenorm: expected a \(h, eps\) tuple"):
+        call(torch.randn(1, 8))
+    with pytest.raises(ValueError, match=r"prenorm\[0\]: expected 1 rows"):
+        call((torch.randn(2, 8), 1e-6))
+    with pytest.raises(TypeError, match=r"prenorm\[0\]: expected dtype torch.float32"):
+        call((torch.randn(1, 8).half(), 1e-6))
+    with pytest.raises(ValueError, match=r"prenorm\[0\]: expected a 2-d"):
+        call((torch.randn(8), 1e-6))
+    with pytest.raises(ValueError, match=r"prenorm\[1\]"):
+        call((torch.randn(1, 8), -1.0))
+
+
 def _prefill_inputs(B, T, NH, KVH, D, S, dtype, device="cpu", gate=0):
     """qkv [B, T, F] as a column slice of a wider projection (``gate`` extra columns: strided rows, as
     Qwen3.5's gated attention passes it), norms, tables and caches (one spare row, random contents)."""
@@ -165,6 +212,31 @@ def test_kernels_real_shapes(cuda, B, S, lens):
     out = A.decode_attention(q, kc, vc, torch.tensor(lens, device=cuda, dtype=torch.int32), scale=D ** -0.5)
     ref = A.decode_attention_reference(q, kc, vc, torch.tensor(lens, device=cuda, dtype=torch.int32), D ** -0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.gpu
+def test_prenorm_real_shapes_in_graph(cuda):
+    """Qwen3-30B-A3B shapes, captured in a graph after a GEMV (the decode order: h read before the
+    wait on that kernel), replayed with new h values."""
+    NH, KVH, D, S, Hd = 32, 4, 128, 256, 2048
+    qkv, qn, kn, cos, sin, _, kc, vc = _rope_inputs(1, NH, KVH, D, S, torch.bfloat16, cuda)
+    pos = torch.tensor([100], device=cuda)
+    h = (torch.randn(1, Hd, device=cuda) * 3).bfloat16()
+    w = (torch.randn((NH + 2 * KVH) * D, Hd, device=cuda) / Hd ** 0.5).bfloat16()
+    import ember
+    run = lambda: A.qk_norm_rope_cache(ember.ops.linear(h, w), qn, kn, cos, sin, pos, kc, vc,  # noqa: E731
+                                       num_heads=NH, prenorm=(h, 1e-6))
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        q = run()
+    h.copy_((torch.randn(1, Hd, device=cuda) * 5).bfloat16())
+    g.replay()
+    kc2, vc2 = kc.clone(), vc.clone()
+    q_ref = A.qk_norm_rope_cache_reference(ember.ops.linear(h, w), qn, kn, cos, sin, pos, kc2, vc2, NH, 1e-6, h, 1e-6)
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(vc.float(), vc2.float(), atol=2e-2, rtol=1.6e-2)
 
 
 # ----------------------------------------------------------------------------- fused qkv projection

@@ -855,3 +855,92 @@ def test_t1_with_overridden_tiles_interpreter(interpreter, monkeypatch, tile):
     got = ember.ops.moe(x, logits, wgu, wd, k, renormalize=True)
     want = moe_ops.moe_reference(x, logits, wgu, wd, k, renormalize=True)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ experts + residual + next norm scale (one token)
+def float64_add_scale(x, wgu, wd, tw, tid, res, lnw, gs=None, ds=None):
+    """The experts' sum rounded to x.dtype, plus the residual rounded again (add_rmsnorm's residual
+    rule), and that times the norm weight in float64 rounded once."""
+    y = float64_experts(x, wgu, wd, tw, tid, gs, ds).to(x.dtype)
+    h = (y.double() + res.double()).to(x.dtype)
+    return h, (h.double() * lnw.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_experts_add_scale_reference_matches_float64(dtype):
+    x, res, lnw = torch.randn(1, H).to(dtype), torch.randn(1, H).to(dtype), (torch.rand(H) + 0.5).to(dtype)
+    wgu, wd, _, _ = make_weights(dtype)
+    tw, tid = moe_ops.moe_route_reference(torch.randn(1, E), K)
+    h, scaled = moe_ops.moe_experts_add_scale_reference(x, wgu, wd, tw, tid, res, lnw)
+    eh, es = float64_add_scale(x, wgu, wd, tw, tid, res, lnw)
+    assert_close(h, eh, dtype)
+    assert_close(scaled, es, dtype)
+    # the next layer's add_rmsnorm is scaled / rms(h): the residual output is add_rmsnorm's
+    normed, new_res = ember.ops.add_rmsnorm_reference(moe_ops.moe_experts_reference(x, wgu, wd, tw, tid), res, lnw, 1e-6)
+    assert torch.equal(new_res, h)
+    inv = torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert_close((scaled.float() * inv).to(dtype), normed, dtype)
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("wdtype,scale", [(torch.float32, None), (torch.bfloat16, None), (FP8, "row"),
+                                          (FP8, "block")])
+def test_experts_add_scale_kernels_interpreter(interpreter, poisoned_buffers, monkeypatch, variant, wdtype, scale):
+    monkeypatch.setenv("EMBER_MOE_T1", variant)
+    xdtype = torch.bfloat16 if wdtype == FP8 else wdtype
+    if wdtype == FP8:
+        wgu, gs, wd, ds = make_weights(FP8, h=100, i=48, scale=scale)
+    else:
+        wgu, wd, gs, ds = make_weights(wdtype, h=100, i=48)
+    x, res = torch.randn(1, 100).to(xdtype), torch.randn(1, 100).to(xdtype)
+    lnw = (torch.rand(100) + 0.5).to(xdtype)
+    tw, tid = moe_ops.moe_route_reference(torch.randn(1, E), K)
+    h, scaled = ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs, down_scale=ds)
+    eh, es = moe_ops.moe_experts_add_scale_reference(x, wgu, wd, tw, tid, res, lnw, gs, ds)
+    assert_close(h, eh, xdtype)
+    assert_close(scaled, es, xdtype)
+    # scaled is h * lnw rounded from the h the kernel stored: exact, whatever the GEMV's summation order
+    assert torch.equal(scaled, (h.float() * lnw.float()).to(xdtype))
+
+
+def _add_scale(**over):
+    a = dict(x=torch.randn(1, H), w_gate_up=torch.randn(E, 2 * I, H), w_down=torch.randn(E, H, I),
+             topk_weights=torch.rand(1, K), topk_ids=torch.zeros(1, K, dtype=torch.int32),
+             residual=torch.randn(1, H), norm_weight=torch.ones(H))
+    a.update(over)
+    return ember.ops.moe_experts_add_scale(**a)
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: _add_scale(x=torch.randn(2, H), topk_weights=torch.rand(2, K), topk_ids=torch.zeros(2, K, dtype=torch.int32),
+                        residual=torch.randn(2, H)), ValueError, "x: moe_experts_add_scale takes one token, got 2"),
+    (lambda: _add_scale(residual=torch.randn(1, H + 1)), ValueError, "residual: expected shape"),
+    (lambda: _add_scale(residual=torch.randn(1, H).half()), TypeError, "residual: expected dtype"),
+    (lambda: _add_scale(residual=[0.0] * H), TypeError, "residual: expected a torch.Tensor"),
+    (lambda: _add_scale(norm_weight=torch.ones(H - 1)), ValueError, "norm_weight: expected length 64"),
+    (lambda: _add_scale(norm_weight=torch.ones(1, H)), ValueError, "norm_weight: expected a 1-d"),
+    (lambda: _add_scale(norm_weight=torch.ones(H, device="meta")), ValueError, "norm_weight: expected device cpu"),
+    (lambda: _add_scale(topk_ids=torch.full((1, K), E, dtype=torch.int32)), ValueError, "topk_ids: expected ids"),
+])
+def test_experts_add_scale_bad_input(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, "block"])
+def test_gpu_experts_add_scale_qwen3_shapes(cuda, monkeypatch, variant, wdtype):
+    monkeypatch.setenv("EMBER_MOE_T1", variant)
+    x, res = torch.randn(1, QH, device=cuda).bfloat16(), torch.randn(1, QH, device=cuda).bfloat16()
+    lnw = (torch.rand(QH, device=cuda) + 0.5).bfloat16()
+    if wdtype == torch.bfloat16:
+        wgu, wd, gs, ds = make_weights(wdtype, QE, QH, QI, device=cuda)
+    else:
+        wgu, gs, wd, ds = make_weights(FP8, QE, QH, QI, device=cuda, scale=wdtype)
+    tw, tid = moe_ops.moe_route_reference(torch.randn(1, QE, device=cuda), QK)
+    h, scaled = ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs, down_scale=ds)
+    eh, es = moe_ops.moe_experts_add_scale_reference(x, wgu, wd, tw, tid, res, lnw, gs, ds)
+    assert_close(h, eh)
+    assert_close(scaled, es)
+    assert torch.equal(scaled, (h.float() * lnw.float()).bfloat16())

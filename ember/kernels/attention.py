@@ -256,11 +256,10 @@ def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse
     # ROPE: q, k, v come raw from the qkv projection [B, (NH + 2 KVH) * D]: every program normalises and
     # rotates its G query heads and the new k itself (a few KB, the same code so the same values), uses
     # the new k, v at positions[row] in place of the cache entry, and split 0 writes them into the cache.
-    # PREFETCH: the split's first k, v block is loaded before waiting for the previous kernel: the
-    # lengths, positions and older cache entries were written kernels before, and the new entry's
-    # stale cache value is replaced by k_new / v_new (with ROPE computed here; without, read from
-    # the cache at positions[row] after the wait, as the previous kernel, qk_norm_rope_cache, wrote
-    # it); so the cache read overlaps the previous kernel instead of following it.
+    # PREFETCH (with ROPE): the split's first k, v block is loaded before waiting for the previous
+    # kernel: the lengths, positions and older cache entries were written kernels before, and the
+    # new entry's stale cache value is replaced by k_new / v_new; so the cache read overlaps the
+    # previous kernel (the qkv projection) instead of following the norms.
     if not PREFETCH:
         pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -302,18 +301,11 @@ def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse
         q = tl.load(q_ptr + (b * NH + heads)[:, None] * D + offs_d[None, :], mask=(offs_g < G)[:, None],
                     other=0.0).to(tl.float32)
         k_new, v_new = q, q  # unused
-        if PREFETCH:  # volatile: the prefetch may have left the stale entry's line in L1
-            pos = tl.load(pos_ptr + b).to(tl.int64)
-            one = tl.arange(0, 1)
-            k_new = tl.load(kc_ptr + b * skb + kvh * skh + pos * sks + offs_d[None, :] + one[:, None],
-                            volatile=True).to(tl.float32)
-            v_new = tl.load(vc_ptr + b * svb + kvh * svh + pos * svs + offs_d[None, :] + one[:, None],
-                            volatile=True).to(tl.float32)
     if FUSED_COMBINE:
         n_live = tl.maximum(tl.minimum(tl.cdiv(length, BLOCK_N), NSPLIT), 1)  # length 0: split 0 (-> NaN)
         if split < n_live:
             _attend_blocks(q, kc_ptr, vc_ptr, part_ptr, lse_ptr, scale, skb, skh, sks, svb, svh, svs, b, kvh,
-                           split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE, pos, k_new, v_new, ROPE or PREFETCH,
+                           split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE, pos, k_new, v_new, ROPE,
                            k_first, v_first, PREFETCH)
             tl.debug_barrier()  # every thread's partial stores precede the release below
             slot = cnt_ptr + b * KVH + kvh
@@ -322,7 +314,7 @@ def _decode_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, len_ptr, part_ptr, lse
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
     else:
         _attend_blocks(q, kc_ptr, vc_ptr, part_ptr, lse_ptr, scale, skb, skh, sks, svb, svh, svs, b, kvh,
-                       split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE, pos, k_new, v_new, ROPE or PREFETCH,
+                       split, length, NH, D, G, GP, BLOCK_N, NSPLIT, IEEE, pos, k_new, v_new, ROPE,
                        k_first, v_first, PREFETCH)
 
 
@@ -389,12 +381,10 @@ def one_launch(nsplit: int) -> bool:
     return nsplit >= ONE_LAUNCH_MIN_SPLITS
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, scale, out, rope: tuple | None = None,
-                     written_at: torch.Tensor | None = None) -> None:
+def decode_attention(q, k_cache, v_cache, seq_lens, scale, out, rope: tuple | None = None) -> None:
     """Decode attention of q [B, NH, D] into out [B, NH * D]. ``rope = (qkv, q_norm, k_norm, cos, sin,
     positions, eps)``: q is None and the kernel takes q, k, v raw from qkv [B, (NH + 2 KVH) * D] (the
-    qk_norm_rope_cache step folded in, cache write included). ``written_at`` [B]: the positions the
-    previous kernel wrote (prefetch of the first cache block; EMBER_ATTN_PREFETCH=0 off)."""
+    qk_norm_rope_cache step folded in, cache write included)."""
     B, NH, D = (q.shape if rope is None else (rope[0].shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]))
     KVH, S = k_cache.shape[1], k_cache.shape[2]
     G = NH // KVH
@@ -409,8 +399,6 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out, rope: tuple | No
     if rope is None:
         q = q.contiguous()
         qkv, qn, kn, cos, sin, positions, eps = q, q, q, q, q, q, 0.0  # unused pointers
-        if written_at is not None:
-            positions = written_at
     else:
         qkv, qn, kn, cos, sin, positions, eps = rope
         if qkv.stride(1) != 1:
@@ -423,7 +411,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out, rope: tuple | No
         cnt, out, qkv, qkv.stride(0), qn, kn, cos, sin, cos.stride(0), positions, float(eps),
         NH=NH, KVH=KVH, D=D, G=G, GP=max(16, triton.next_power_of_2(G)), GC=gc, BLOCK_N=block_n,
         NSPLIT=nsplit, NSB=nsb, IEEE=out.dtype == torch.float32, FUSED_COMBINE=fused, ROPE=rope is not None,
-        PREFETCH=(rope is not None or written_at is not None) and os.environ.get("EMBER_ATTN_PREFETCH", "1") == "1",
+        PREFETCH=rope is not None and os.environ.get("EMBER_ATTN_PREFETCH", "1") == "1",
         num_warps=(env_ints("EMBER_ATTN_SPLIT_WARPS", "num_warps") or (4,))[0], **pdl)
     if not fused:
         _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1,

@@ -164,8 +164,7 @@ class Attention(nn.Module):
         else:
             q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
                                             num_heads=c.num_heads, eps=c.rms_norm_eps, prenorm=prenorm)
-            # [B, NH * D]; written_at: the cache entries just written, so the rest is read early
-            out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale, written_at=positions)
+            out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out)
 
     def add_norm_decode(self, m: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -279,11 +279,11 @@ def _fused_impl(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache
     return q
 
 
-def _attention_impl(q, k_cache, v_cache, seq_lens, scale, written_at=None):
+def _attention_impl(q, k_cache, v_cache, seq_lens, scale):
     if not _dispatch.use_triton(q):
         return decode_attention_reference(q, k_cache, v_cache, seq_lens, scale)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-    _dispatch.kernels("attention").decode_attention(q, k_cache, v_cache, seq_lens, scale, out, written_at=written_at)
+    _dispatch.kernels("attention").decode_attention(q, k_cache, v_cache, seq_lens, scale, out)
     return out
 
 
@@ -337,12 +337,12 @@ def _(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_head
 
 @torch.library.custom_op("ember::decode_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-                  scale: float, written_at: torch.Tensor | None) -> torch.Tensor:
-    return _attention_impl(q, k_cache, v_cache, seq_lens, scale, written_at)
+                  scale: float) -> torch.Tensor:
+    return _attention_impl(q, k_cache, v_cache, seq_lens, scale)
 
 
 @_attention_op.register_fake
-def _(q, k_cache, v_cache, seq_lens, scale, written_at):
+def _(q, k_cache, v_cache, seq_lens, scale):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
@@ -431,27 +431,17 @@ def qkv_proj_norm_rope_cache(h: torch.Tensor, weight: torch.Tensor, q_norm: torc
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     *, scale: float, written_at: torch.Tensor | None = None) -> torch.Tensor:
+                     *, scale: float) -> torch.Tensor:
     """Attention of one query token per row over the first ``seq_lens[b]`` cache entries; [B, NH * D].
-
-    ``written_at`` (int [B], optional; the result does not depend on it): the cache positions the
-    kernel just before this one wrote (a decode step's new token, ``qk_norm_rope_cache``). With it,
-    on GPUs with dependent launch, each program loads its first cache block before waiting for that
-    kernel and re-reads only those positions after the wait.
 
     Example:
         >>> q, kc, vc = torch.randn(1, 4, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
         >>> out = ember.ops.attention.decode_attention(q, kc, vc, torch.tensor([5]), scale=0.25)
     """
     scale = _validate_attention(q, k_cache, v_cache, seq_lens, scale)
-    if written_at is not None:
-        _checks.tensor("written_at", written_at, dtypes=(torch.int32, torch.int64), ndim=1)
-        _checks.same_device(q=q, written_at=written_at)
-        if written_at.shape[0] != q.shape[0]:
-            raise ValueError(f"written_at: expected length {q.shape[0]} (q's rows), got {written_at.shape[0]}")
     if _dispatch.compiling():
-        return _attention_op(q, k_cache, v_cache, seq_lens, scale, written_at)
-    return _attention_impl(q, k_cache, v_cache, seq_lens, scale, written_at)
+        return _attention_op(q, k_cache, v_cache, seq_lens, scale)
+    return _attention_impl(q, k_cache, v_cache, seq_lens, scale)
 
 
 def qk_norm_rope_attention(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,

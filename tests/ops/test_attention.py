@@ -360,48 +360,6 @@ def test_fused_qkv_real_shapes(cuda, B):
     _check_written(kc, vc, pos)
 
 
-@pytest.mark.parametrize("one_launch", ["0", "1"])
-def test_written_at_prefetch_gives_the_same_bits_interpreter(interpreter, monkeypatch, one_launch):
-    """written_at (first cache block loaded before the wait, the new entries re-read after it) only
-    moves loads: the outputs are bitwise those without it."""
-    B, NH, KVH, D, S = 3, 8, 2, 16, 130
-    q = torch.randn(B, NH, D).to(torch.bfloat16)
-    kc, vc = torch.randn(B, KVH, S, D).to(torch.bfloat16), torch.randn(B, KVH, S, D).to(torch.bfloat16)
-    lens = torch.tensor([1, 64, 130], dtype=torch.int32)
-    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", one_launch)
-    plain = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
-    early = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5, written_at=(lens - 1).long())
-    assert torch.equal(plain, early)
-    with pytest.raises(ValueError, match="written_at: expected length 3"):
-        A.decode_attention(q, kc, vc, lens, scale=D ** -0.5, written_at=torch.tensor([0, 1]))
-    with pytest.raises(TypeError, match="written_at: expected dtype"):
-        A.decode_attention(q, kc, vc, lens, scale=D ** -0.5, written_at=torch.zeros(3))
-
-
-@pytest.mark.gpu
-def test_written_at_after_the_cache_write_in_graph(cuda):
-    """The decode order under dependent launch: the new entry written by qk_norm_rope_cache right
-    before; decode_attention(written_at=pos) reads it fresh (replays with new values each time)."""
-    B, NH, KVH, D, S = 1, 32, 4, 128, 512
-    qkv, qn, kn, cos, sin, _, kc, vc = _rope_inputs(B, NH, KVH, D, S, torch.bfloat16, cuda)
-    pos = torch.tensor([40], device=cuda)
-    lens = (pos + 1).to(torch.int32)
-
-    def step():
-        q = A.qk_norm_rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
-        return q, A.decode_attention(q, kc, vc, lens, scale=D ** -0.5, written_at=pos)
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        q, out = step()
-    for _ in range(3):
-        qkv.copy_(torch.randn_like(qkv.float()).bfloat16() * 4)
-        g.replay()
-        ref = A.decode_attention_reference(q, kc, vc, lens, D ** -0.5)
-        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=8e-3)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_launch_combine_matches_two_launch_interpreter(interpreter, monkeypatch, dtype):
     """EMBER_ATTN_ONE_LAUNCH=1 (the last split program combines) gives the two-launch result."""

@@ -96,17 +96,40 @@ def _select_topk(choose, values, offs, TOP_K: tl.constexpr, BLOCK_E: tl.constexp
 
 
 @triton.jit
+def _select_topk_packed(p, offs, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr):
+    """The TOP_K largest of ``p`` (non-negative floats; negative lanes are never picked before them;
+    ties -> lower index) as (values, indices), one max reduction per pick: value bits and reversed
+    index packed in one int64 key (non-negative float bits order like the floats), where
+    _select_topk needs a max and an index min (each a cross-warp reduction) per pick."""
+    kk = tl.arange(0, BLOCK_KK)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
+    ids = tl.zeros([BLOCK_KK], dtype=tl.int32)
+    ws = tl.zeros([BLOCK_KK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, axis=0)
+        ids = tl.where(kk == j, (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32), ids)
+        ws = tl.where(kk == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), ws)
+        key = tl.where(key == best, -(1 << 62), key)
+    return ws, ids
+
+
+@triton.jit
 def _topk_of_row(logits_ptr, row, stride_row, E, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, VOLATILE: tl.constexpr = False):
+                 BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, VOLATILE: tl.constexpr = False,
+                 PACKED: tl.constexpr = True):
     """float32 softmax over E logits, then the TOP_K largest (ties -> lower index), renormalised.
-    VOLATILE: read around L1 (logits other programs wrote in this launch)."""
+    VOLATILE: read around L1 (logits other programs wrote in this launch). PACKED: the selection
+    by packed keys (_select_topk_packed), else _select_topk; the same picks and values."""
     offs = tl.arange(0, BLOCK_E)
     in_range = offs < E
     logits = tl.load(logits_ptr + row * stride_row + offs, mask=in_range, other=-float("inf"),
                      volatile=VOLATILE).to(tl.float32)
     ex = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(in_range, ex / tl.sum(ex, axis=0), -1.0)  # padding lanes are never picked
-    ws, ids = _select_topk(p, p, offs, TOP_K, BLOCK_E, BLOCK_KK, GATHER=False)
+    if PACKED:
+        ws, ids = _select_topk_packed(p, offs, TOP_K, BLOCK_E, BLOCK_KK)
+    else:
+        ws, ids = _select_topk(p, p, offs, TOP_K, BLOCK_E, BLOCK_KK, GATHER=False)
     if RENORM:
         ws = ws / tl.sum(ws, axis=0)
     return ws, ids
@@ -164,7 +187,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, ADD_NORM: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         PACKED: tl.constexpr = True, PDL: tl.constexpr = False):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
@@ -205,12 +228,14 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
             ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
                                            BLOCK_E, BLOCK_KK)
         elif SHARED_GATE:
-            ws, ids = _topk_of_row(logits_ptr, t, E, E - 1, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+            ws, ids = _topk_of_row(logits_ptr, t, E, E - 1, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True,
+                                   PACKED=PACKED)
             gate = tl.load(logits_ptr + t * E + E - 1, volatile=True)
             ws = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, 1.0 / (1.0 + tl.exp(-gate)), ws)
             ids = tl.where(tl.arange(0, BLOCK_KK) == TOP_K, E - 1, ids)
         else:
-            ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+            ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True,
+                                   PACKED=PACKED)
         kk = tl.arange(0, BLOCK_KK)
         n_out: tl.constexpr = TOP_K + SHARED_GATE
         tl.store(tw_ptr + t * n_out + kk, ws, mask=kk < n_out)
@@ -788,7 +813,7 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
         TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
-        num_warps=warps, **pdl_options(x.device))
+        PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", num_warps=warps, **pdl_options(x.device))
     return w, ids
 
 

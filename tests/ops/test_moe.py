@@ -562,11 +562,13 @@ def test_route_hidden_router_tile_env_interpreter(interpreter, monkeypatch, tile
         kmod.route_hidden(x, router, 4, True)
 
 
-@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-def test_route_hidden_ties_go_to_the_lower_index_interpreter(interpreter, scoring):
+@pytest.mark.parametrize("scoring,packed", [("softmax", "1"), ("softmax", "0"), ("sigmoid", "1")])
+def test_route_hidden_ties_go_to_the_lower_index_interpreter(interpreter, monkeypatch, scoring, packed):
     """Duplicated router rows give bit-equal logits: the lower expert index is ranked first, as in
-    the float64 references (a python sort on (-value, index))."""
+    the float64 references (a python sort on (-value, index)); softmax routing by packed keys (the
+    default) and by the max-then-index picks (EMBER_ROUTER_PACKED_TOPK=0)."""
     from ember.kernels import moe as kmod
+    monkeypatch.setenv("EMBER_ROUTER_PACKED_TOPK", packed)
     e, h, k = 16, 64, 5
     x = torch.randn(3, h)
     router = torch.randn(e, h) / h ** 0.5

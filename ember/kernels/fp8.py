@@ -475,7 +475,7 @@ def _config(M: int, N: int, K: int, k_blocked: bool, device: torch.device,
         bm, bn, bk, sk, w, s = (int(v) for v in override.split(","))
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=s, GROUP_M=8)
     if M == 1 and b_k_contiguous:
-        return _gemv_config(N, K, k_blocked)
+        return (not k_blocked and gemv.env_config(N, K, 1)) or _gemv_config(N, K, k_blocked)
     if M <= 16 and b_k_contiguous:
         return _skinny_config(N, K, k_blocked, device, fp8_dot)
     if M <= 16:

@@ -234,9 +234,10 @@ def gemv_config(N: int, K: int, elsize: int, k_blocked: bool = False) -> dict:
 
 
 # ----------------------------------------------------------------------------- launchers
-def env_config(N: int, K: int) -> dict | None:
-    """The tile ``EMBER_GEMV_TILES`` sets for an N x K weight (decode-step sweeps; read per call):
-    ``"NxK=BLOCK_N,CHUNKS,num_warps,STEP_REDUCE;..."``, e.g. ``"2048x4096=8,16,8,1"``."""
+def env_config(N: int, K: int, elsize: int = 2) -> dict | None:
+    """The tile ``EMBER_GEMV_TILES`` sets for an N x K weight of ``elsize``-byte elements (decode-step
+    sweeps; read per call): ``"NxK=BLOCK_N,CHUNKS,num_warps,STEP_REDUCE;..."``, e.g.
+    ``"2048x4096=8,16,8,1"``; KW is 512 bytes of K (256 bf16 or 512 fp8 elements)."""
     env = os.environ.get("EMBER_GEMV_TILES", "")
     for item in filter(None, env.split(";")):
         shape, _, tile = item.partition("=")
@@ -246,7 +247,7 @@ def env_config(N: int, K: int) -> dict | None:
         if min(bn, chunks, warps) < 1:
             raise ValueError(f"{var}: expected BLOCK_N, CHUNKS and num_warps >= 1")
         if n_k == (N, K):
-            return dict(GEMV=True, BLOCK_N=bn, CHUNKS=chunks, KW=ROW_BYTES // 2, num_warps=warps,
+            return dict(GEMV=True, BLOCK_N=bn, CHUNKS=chunks, KW=ROW_BYTES // elsize, num_warps=warps,
                         STEP_REDUCE=bool(step_reduce))
     return None
 

@@ -381,9 +381,9 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
     e0 = tl.load(ids_ptr + t * TOP_K, volatile=IDS_BEFORE).to(tl.int64)
     weight0 = tl.load(tw_ptr + t * TOP_K, volatile=IDS_BEFORE).to(tl.float32)
     w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
+    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, IDS_BEFORE)
     if IDS_BEFORE:
         pdl_start(PDL)
-    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = t * TOP_K + j
@@ -415,11 +415,13 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
 
 
 @triton.jit
-def _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD: tl.constexpr):
-    """FOLD: the residual rows (token t) and the next norm's weights the epilogue needs, loaded early
-    so their latency overlaps the weight stream."""
+def _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD: tl.constexpr, BEFORE_WAIT: tl.constexpr):
+    """FOLD: the residual rows (token t) and the next norm's weights the epilogue needs, loaded first.
+    BEFORE_WAIT: called before pdl_start; the residual was written by the router, the kernel before
+    the gate_up GEMV this one waits for, so it is complete (volatile: no stale L1 line of an earlier
+    layer's buffer at the same address)."""
     if FOLD:
-        r = tl.load(res_ptr + t * H + rows, mask=row_mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + t * H + rows, mask=row_mask, other=0.0, volatile=BEFORE_WAIT).to(tl.float32)
         lw = tl.load(lnw_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     else:
         r, lw = rows, rows  # unused
@@ -531,13 +533,13 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
                          BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
                          FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
-    FOLD: as in _down_gemv_kernel."""
-    pdl_start(PDL)
+    FOLD: as in _down_gemv_kernel (its inputs loaded before the wait)."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
-    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD)
+    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, True)
+    pdl_start(PDL)
     mask_rows = row_mask[:, None]
     kk = _v2_k_offsets(LANES, VEC, BPS)
     shape: tl.constexpr = (BLOCK_N, LANES * VEC)

@@ -166,6 +166,10 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K,
 # ones above by more than the 0.005 ms run-to-run spread.
 MEASURED_2BYTE = {(2048, 4096): (8, 16, 8, True), (5120, 2048): (2, 4, 1, True),
                   (151936, 2048): (16, 8, 8, True)}
+# fp8 row-scaled weights (bf16 activations), swept the same way (bench/sweeps/step_tiles_fp8_b1.json,
+# bench/results/h200/step_tiles_fp8_b1.json; Qwen3-30B-A3B fp8 step at a 400 cache, rule default 2.118 ms):
+# qkv (2, 2, 1, SR) 2.080, o_proj (2, 8, 2, SR) 2.034 (the rule: (8, 2, 4), no step reduce).
+MEASURED_1BYTE = {(2048, 4096): (2, 8, 2, True), (5120, 2048): (2, 2, 1, True)}
 # Unscaled weights on CUDA: the GEMV takes rows of at most this many bytes with the byte rule below,
 # and the swept shapes above. H200, bf16, M=1, graph-timed against F.linear in the same run (ember bench
 # linear): K=2048 wins (N=5120: 7.11 vs 8.20 us; N=151936: 136.6 vs 143.9 us), K=4096 and 8192 lose
@@ -211,9 +215,10 @@ def gemv_config(N: int, K: int, elsize: int, k_blocked: bool = False) -> dict:
     launch summed an fp32 workspace). Here there is one launch, no shared memory or barrier in the
     loop, 16-byte loads, no spills (sm_90 SASS, triton 3.6).
     """
-    if elsize == 2 and not k_blocked and (N, K) in MEASURED_2BYTE:
-        bn, chunks, warps, step_reduce = MEASURED_2BYTE[(N, K)]
-        return dict(GEMV=True, BLOCK_N=bn, CHUNKS=chunks, KW=ROW_BYTES // 2, num_warps=warps,
+    measured = {2: MEASURED_2BYTE, 1: MEASURED_1BYTE}.get(elsize, {})
+    if not k_blocked and (N, K) in measured:
+        bn, chunks, warps, step_reduce = measured[(N, K)]
+        return dict(GEMV=True, BLOCK_N=bn, CHUNKS=chunks, KW=ROW_BYTES // elsize, num_warps=warps,
                     STEP_REDUCE=step_reduce)
     warps = 4
     if k_blocked:

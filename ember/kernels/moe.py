@@ -361,7 +361,8 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
                       res_ptr, lnw_ptr, scaled_ptr,
                       H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-                      IDS_BEFORE: tl.constexpr, FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
+                      IDS_BEFORE: tl.constexpr, FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True,
+                      PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N output rows; no atomics.
 
     IDS_BEFORE (the ids were written before the gate_up GEMV ran, i.e. not by its fused routing; off
@@ -381,9 +382,11 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
     e0 = tl.load(ids_ptr + t * TOP_K, volatile=IDS_BEFORE).to(tl.int64)
     weight0 = tl.load(tw_ptr + t * TOP_K, volatile=IDS_BEFORE).to(tl.float32)
     w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
-    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, IDS_BEFORE)
+    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD and FOLD_EARLY, IDS_BEFORE)
     if IDS_BEFORE:
         pdl_start(PDL)
+    if not FOLD_EARLY:
+        r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, False)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = t * TOP_K + j
@@ -531,15 +534,17 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
                          res_ptr, lnw_ptr, scaled_ptr,
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                          BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
-                         FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
+                         FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True, PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
-    FOLD: as in _down_gemv_kernel (its inputs loaded before the wait)."""
+    FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait)."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
-    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, True)
+    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD and FOLD_EARLY, True)
     pdl_start(PDL)
+    if not FOLD_EARLY:
+        r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, False)
     mask_rows = row_mask[:, None]
     kk = _v2_k_offsets(LANES, VEC, BPS)
     shape: tl.constexpr = (BLOCK_N, LANES * VEC)
@@ -854,7 +859,8 @@ def _prefill_block_m(T: int, top_k: int, E: int) -> int:
 
 def _fold_args(fold, out):
     """Kernel arguments of the down GEMVs' FOLD epilogue: (residual, norm weight, scaled out) or dummies."""
-    return dict(FOLD=fold is not None), (fold if fold is not None else (out, out, out))
+    early = os.environ.get("EMBER_MOE_FOLD_EARLY", "1") != "0"
+    return dict(FOLD=fold is not None, FOLD_EARLY=early), (fold if fold is not None else (out, out, out))
 
 
 def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormalize, out, fold=None):

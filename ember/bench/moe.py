@@ -168,7 +168,7 @@ STEP_VARIANTS = {"default": {}, "fused_qkv": {"EMBER_FUSED_QKV": "1"}, "moe_t1_v
                  "attn_rope_fused": {"EMBER_ATTN_FUSED_ROPE": "1"},
                  "attn_rope_fused_no_prefetch": {"EMBER_ATTN_FUSED_ROPE": "1", "EMBER_ATTN_PREFETCH": "0"},
                  "norm_defer_off": {"EMBER_NORM_DEFER": "0"}, "router_packed_topk_off": {"EMBER_ROUTER_PACKED_TOPK": "0"},
-                 "fold_early_off": {"EMBER_MOE_FOLD_EARLY": "0"}}
+                 "fold_early_flipped_bf16": {"EMBER_MOE_FOLD_EARLY": "1"}}
 
 
 def step_variants(hf, cfg, em, ids, max_seq_len) -> dict:

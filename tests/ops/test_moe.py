@@ -946,3 +946,65 @@ def test_gpu_experts_add_scale_qwen3_shapes(cuda, monkeypatch, variant, wdtype):
     assert_close(h, eh)
     assert_close(scaled, es)
     assert torch.equal(scaled, (h.float() * lnw.float()).bfloat16())
+
+
+# ------------------------------------------------------------------ T=1 down GEMV v3 (EMBER_MOE_DOWN=v3, opt-in)
+@pytest.fixture
+def down_v3(monkeypatch):
+    """EMBER_MOE_DOWN=v3, recording whether the v3 launcher took each call."""
+    from ember.kernels import moe as kmod
+    monkeypatch.setenv("EMBER_MOE_DOWN", "v3")
+    took = []
+    real = kmod.down_v3
+    monkeypatch.setattr(kmod, "down_v3", lambda *a, **kw: took.append(real(*a, **kw)) or took[-1])
+    return took
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("wdtype,scale,h,i", [(torch.float32, None, 100, 48), (torch.bfloat16, None, 64, 32),
+                                              (FP8, "row", 100, 48), (FP8, "row", 64, 200), (FP8, "block", 100, 48)])
+def test_down_v3_interpreter(interpreter, poisoned_buffers, monkeypatch, down_v3, variant, wdtype, scale, h, i):
+    monkeypatch.setenv("EMBER_MOE_T1", variant)
+    xdtype = torch.bfloat16 if wdtype == FP8 else wdtype
+    if wdtype == FP8:
+        wgu, gs, wd, ds = make_weights(FP8, h=h, i=i, scale=scale)
+    else:
+        wgu, wd, gs, ds = make_weights(wdtype, h=h, i=i)
+    x, res = torch.randn(1, h).to(xdtype), torch.randn(1, h).to(xdtype)
+    lnw = (torch.rand(h) + 0.5).to(xdtype)
+    tid = torch.tensor([[3, 3]]) if i == 200 else moe_ops.moe_route_reference(torch.randn(1, E), K)[1]
+    tw = torch.tensor([[0.6, 0.3]])
+    got = ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)
+    assert_close(got, float64_experts(x, wgu, wd, tw, tid, gs, ds).to(xdtype), xdtype)
+    hh, scaled = ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs, down_scale=ds)
+    eh, es = float64_add_scale(x, wgu, wd, tw, tid, res, lnw, gs, ds)
+    assert_close(hh, eh, xdtype)
+    assert_close(scaled, es, xdtype)
+    assert down_v3 == [scale != "block"] * 2  # 128-block scales keep the variant's own down GEMV
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, "row"])
+def test_gpu_down_v3_qwen3_shapes_in_graph(cuda, monkeypatch, wdtype):
+    monkeypatch.setenv("EMBER_MOE_DOWN", "v3")
+    x = torch.randn(1, QH, device=cuda).bfloat16()
+    logits = torch.randn(1, QE, device=cuda)
+    if wdtype == torch.bfloat16:
+        wgu, wd, gs, ds = make_weights(wdtype, QE, QH, QI, device=cuda)
+    else:
+        wgu, gs, wd, ds = make_weights(FP8, QE, QH, QI, device=cuda, scale=wdtype)
+    router = torch.randn(QE, QH, device=cuda).bfloat16() / QH ** 0.5
+
+    def run():
+        w, ids = ember.ops.moe_route_hidden(x, router, QK)
+        return ember.ops.moe_experts(x, wgu, wd, w, ids, gate_up_scale=gs, down_scale=ds, check=False)
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        w, ids = moe_ops.moe_route_hidden_reference(x, router, QK)
+        assert_close(out, moe_ops.moe_experts_reference(x, wgu, wd, w, ids, gs, ds))

@@ -580,89 +580,6 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
     _store_out_or_fold(tl.sum(acc, axis=1), out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
 
 
-# ============================================================================ T == 1: down GEMV, v3
-# EMBER_MOE_DOWN=v3 (opt-in, A/B): every expert's down rows of the program in one gather per K step
-# ([experts, BLOCK_N, KSTEP], at most 4 steps), all loaded before waiting for gate_up: the ids and
-# routing weights were written by the router, two kernels back, so after the wait only h is read.
-@triton.jit
-def _down_tiles(base, m2, kk, k0: tl.constexpr, stride_wk, I: tl.constexpr, KSTEP: tl.constexpr):
-    if k0 < I:
-        w = tl.load(base + (k0 + kk) * stride_wk, mask=m2 & (k0 + kk < I), other=0.0)
-    else:
-        w = kk  # a step past I: never used (_down_step skips it too)
-    return w
-
-
-@triton.jit
-def _down_step(acc, w, hb, jm3, kk, k0: tl.constexpr, shape: tl.constexpr, I: tl.constexpr):
-    if k0 < I:
-        hv = tl.load(tl.broadcast_to(hb + k0 + kk, shape), mask=tl.broadcast_to(jm3 & (k0 + kk < I), shape),
-                     other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * hv, axis=2)
-    return acc
-
-
-@triton.jit
-def _down_gemv_v3_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stride_out,
-                         stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                         res_ptr, lnw_ptr, scaled_ptr,
-                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_KK: tl.constexpr, KSTEP: tl.constexpr,
-                         FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
-    """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n (SCALE 0 or 1); the
-    weights of every step are in registers before the wait. FOLD: as in _down_gemv_kernel."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < H
-    jj = tl.arange(0, BLOCK_KK)
-    j_mask = jj < TOP_K
-    e = tl.load(ids_ptr + t * TOP_K + jj, mask=j_mask, other=0, volatile=True).to(tl.int64)
-    wt = tl.load(tw_ptr + t * TOP_K + jj, mask=j_mask, other=0.0, volatile=True).to(tl.float32)
-    base = w_ptr + e[:, None, None] * stride_we + rows[None, :, None].to(tl.int64) * stride_wn
-    m2 = j_mask[:, None, None] & row_mask[None, :, None]
-    kk = tl.arange(0, KSTEP)[None, None, :]
-    w0 = _down_tiles(base, m2, kk, 0, stride_wk, I, KSTEP)
-    w1 = _down_tiles(base, m2, kk, KSTEP, stride_wk, I, KSTEP)
-    w2 = _down_tiles(base, m2, kk, 2 * KSTEP, stride_wk, I, KSTEP)
-    w3 = _down_tiles(base, m2, kk, 3 * KSTEP, stride_wk, I, KSTEP)
-    f = tl.broadcast_to(wt[:, None], (BLOCK_KK, BLOCK_N))
-    if SCALE == 1:
-        f = f * tl.load(scale_ptr + e[:, None] * stride_se + rows[None, :] * stride_sn,
-                        mask=j_mask[:, None] & row_mask[None, :], other=0.0)
-    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, True)
-    pdl_start(PDL)
-    shape: tl.constexpr = (BLOCK_KK, BLOCK_N, KSTEP)
-    hb = h_ptr + (t * TOP_K + jj)[:, None, None] * I
-    jm3 = j_mask[:, None, None]
-    acc = tl.zeros([BLOCK_KK, BLOCK_N], dtype=tl.float32)
-    acc = _down_step(acc, w0, hb, jm3, kk, 0, shape, I)
-    acc = _down_step(acc, w1, hb, jm3, kk, KSTEP, shape, I)
-    acc = _down_step(acc, w2, hb, jm3, kk, 2 * KSTEP, shape, I)
-    acc = _down_step(acc, w3, hb, jm3, kk, 3 * KSTEP, shape, I)
-    _store_out_or_fold(tl.sum(acc * f, axis=0), out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
-
-
-def down_v3(h, w_down, ds, ids, tw, out, fold, top_k) -> bool:
-    """Launch the v3 down GEMV where ``EMBER_MOE_DOWN=v3`` asks for it and it applies (no 128-block
-    scales, ids not written by the gate_up launch); False otherwise (the caller runs its own)."""
-    if os.environ.get("EMBER_MOE_DOWN", "") != "v3":
-        return False
-    mode, ds_t, dse, dsn, _ = _scale_args(w_down, ds)
-    if mode == 2:
-        return False
-    T = out.shape[0]
-    H, I = w_down.shape[1], w_down.shape[2]
-    bn, warps = env_ints("EMBER_MOE_DOWN_V3_TILE", "BLOCK_N,num_warps") or (2, 4)
-    kstep = max(16, triton.next_power_of_2(-(-I // 4)))
-    fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
-    _down_gemv_v3_kernel[(T, triton.cdiv(H, bn))](
-        h, w_down, ds_t, ids, tw, out, out.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), dse, dsn,
-        *fold_ptrs, H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_KK=triton.next_power_of_2(top_k),
-        KSTEP=kstep, FOLD=fold_kw["FOLD"], num_warps=warps, **pdl_options(out.device))
-    return True
-
-
 # ============================================================================ T >= 2: grouped kernels
 @triton.jit
 def _group_rows(gid, ids_ptr, tw_ptr, sorted_pairs_ptr, block_expert_ptr, T,
@@ -971,8 +888,6 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
     cfg = _config("gemv_down", x.device)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     bn, bk = cfg["BLOCK_N"], _sub_k(mode, cfg["BLOCK_K"])
-    if not fused and down_v3(h, w_down, ds, ids, tw, out, fold, top_k):
-        return out
     fold_kw, fold_ptrs = _fold_args(fold, out, early=False)
     _down_gemv_kernel[(T, triton.cdiv(H, bn))](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, H=H, I=I,
@@ -1075,8 +990,6 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
         x, w_gate_up, gs_t, ids, h, x.stride(0), *w_gate_up.stride(), gse, gsn, gsk, H=H, I=I, TOP_K=top_k,
         SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
         num_warps=cfg["num_warps"], num_stages=1, **pdl_options(x.device))
-    if down_v3(h, w_down, ds, ids, tw, out, fold, top_k):
-        return out
     cfg = _t1_v2_config("gemv_v2_down", w_down, I)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     fold_kw, fold_ptrs = _fold_args(fold, out, early=True)

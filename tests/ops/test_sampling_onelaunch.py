@@ -540,15 +540,13 @@ def test_sample_small_sort_equals_full_sort_interpreter(interpreter, monkeypatch
     counts = [_candidate_count(r, mix["temperature"], mix["top_k"], mix["top_p"]) for r in x]
     assert min(counts) <= k.SMALL_SORT < max(counts) <= k.CAP, counts
     toks = {}
-    for cap in ("512", "128"):
+    for cap in ("512", "128"):           # one seed and offset (each call takes ~6 s in the interpreter)
         monkeypatch.setenv("EMBER_SAMPLING_SMALL_SORT", cap)
-        toks[cap] = torch.stack([poisoned((4,), torch.int64, "cpu") for _ in range(2)])
-        for rep in range(2):             # two offsets
-            k.sample(x, toks[cap][rep], mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, rep)
+        toks[cap] = poisoned((4,), torch.int64, "cpu")
+        k.sample(x, toks[cap], mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 1)
     assert torch.equal(toks["512"], toks["128"])
     probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
-    for rep in range(2):
-        assert bool((probs[torch.arange(4), toks["128"][rep]] > 0).all()), (rep, toks["128"][rep])
+    assert bool((probs[torch.arange(4), toks["128"]] > 0).all()), toks["128"]
 
 
 def test_small_sort_env_validated(monkeypatch):

@@ -114,6 +114,22 @@ def test_prenorm_kernel_matches_reference_interpreter(interpreter, dtype):
     torch.testing.assert_close(vc.float(), vc2.float(), atol=tol[0], rtol=tol[1])
 
 
+def test_prenorm_compile_fullgraph_cpu():
+    B, NH, KVH, D, S, Hd = 1, 4, 2, 16, 32, 48
+    qkv, qn, kn, cos, sin, pos, kc, vc = _rope_inputs(B, NH, KVH, D, S, torch.float32)
+    h = torch.randn(B, Hd)
+    kc2, vc2 = kc.clone(), vc.clone()
+
+    def f(qkv, h, kc, vc):
+        return A.qk_norm_rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, num_heads=NH, prenorm=(h, 1e-6))
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(qkv, h, kc, vc)
+    torch.testing.assert_close(got, f(qkv, h, kc2, vc2))
+    torch.testing.assert_close(kc, kc2)
+    torch.testing.assert_close(vc, vc2)
+
+
 def test_prenorm_bad_input():
     B, NH, KVH, D, S = 1, 4, 2, 16, 32
     qkv, qn, kn, cos, sin, pos, kc, vc = _rope_inputs(B, NH, KVH, D, S, torch.float32)

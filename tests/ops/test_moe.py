@@ -905,6 +905,21 @@ def test_experts_add_scale_kernels_interpreter(interpreter, poisoned_buffers, mo
     assert torch.equal(scaled, (h.float() * lnw.float()).to(xdtype))
 
 
+def test_experts_add_scale_compile_fullgraph_cpu():
+    x, res, lnw = torch.randn(1, H), torch.randn(1, H), torch.rand(H) + 0.5
+    wgu, wd, _, _ = make_weights(torch.float32)
+
+    def f(x, res, logits):
+        w, ids = ember.ops.moe_route(logits, K)
+        h, scaled = ember.ops.moe_experts_add_scale(x, wgu, wd, w, ids, res, lnw, check=False)
+        return h + scaled
+
+    torch._dynamo.reset()
+    logits = torch.randn(1, E)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, res, logits), f(x, res, logits))
+
+
 def _add_scale(**over):
     a = dict(x=torch.randn(1, H), w_gate_up=torch.randn(E, 2 * I, H), w_down=torch.randn(E, H, I),
              topk_weights=torch.rand(1, K), topk_ids=torch.zeros(1, K, dtype=torch.int32),

@@ -700,15 +700,18 @@ def _down_grouped_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, sorted_pairs_
 
 
 @triton.jit
-def _combine_pairs_kernel(pair_out_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum over j of pair_out[t * TOP_K + j], j in order (deterministic), in out's dtype."""
+def _combine_pairs_kernel(pair_out_ptr, out_ptr, H, res_ptr, lnw_ptr, scaled_ptr, TOP_K: tl.constexpr,
+                          BLOCK: tl.constexpr, FOLD: tl.constexpr = False):
+    """out[t] = sum over j of pair_out[t * TOP_K + j], j in order (deterministic), in out's dtype.
+    FOLD: as in _down_gemv_kernel (out becomes the new residual, scaled_ptr gets it times lnw)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
+    r, lw = _fold_inputs(res_ptr, lnw_ptr, t, cols, mask, H, FOLD, False)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(pair_out_ptr + (t * TOP_K + j) * H + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + t * H + cols, round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+    _store_out_or_fold(acc, out_ptr, t, H, cols, mask, r, lw, scaled_ptr, H, FOLD)
 
 
 # ============================================================================ launch helpers
@@ -1000,7 +1003,7 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     return out
 
 
-def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None):
+def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None, fold=None):
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
     I = two_i // 2
@@ -1036,7 +1039,9 @@ def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None):
     if out is None:
         out = torch.empty((T, H), dtype=x.dtype, device=dev)
     block = min(1024, triton.next_power_of_2(H))
-    _combine_pairs_kernel[(T, triton.cdiv(H, block))](pair_out, out, H, TOP_K=top_k, BLOCK=block, num_warps=4)
+    res, lnw, scaled = fold if fold is not None else (out, out, out)  # unused pointers without FOLD
+    _combine_pairs_kernel[(T, triton.cdiv(H, block))](pair_out, out, H, res, lnw, scaled, TOP_K=top_k, BLOCK=block,
+                                                      FOLD=fold is not None, num_warps=4)
     return out
 
 
@@ -1073,13 +1078,17 @@ def experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_sc
 
 def experts_add_scale(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale, residual,
                       norm_weight):
-    """One token: (h, h * norm_weight) with h = experts(x) + residual (ops.moe_experts_add_scale)."""
+    """Up to DECODE_MAX_TOKENS tokens: (h, h * norm_weight) with h = experts(x) + residual
+    (ops.moe_experts_add_scale): the T=1 down GEMV's epilogue, or the grouped path's combine."""
+    _check_block_k()
     x = _rows_contiguous(x)
     ids = topk_ids.to(torch.int32).contiguous()
     tw = topk_weights.to(torch.float32).contiguous()
     h, scaled = torch.empty_like(x), torch.empty_like(x)
     fold = (residual.contiguous(), norm_weight.contiguous(), scaled)
-    if t1_variant(x.device, fp8=w_gate_up.element_size() == 1) == "v2":
+    if x.shape[0] > 1:
+        _experts_grouped(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, ids.shape[1], h, fold)
+    elif t1_variant(x.device, fp8=w_gate_up.element_size() == 1) == "v2":
         _experts_gemv_v2(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, ids.shape[1], h, fold)
     else:
         _experts_gemv(x, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, None, ids.shape[1], True, h, fold)

@@ -137,9 +137,10 @@ class Attention(nn.Module):
         return self.o(out)
 
     def prescaled_decode_ok(self, batch: int) -> bool:
-        """Whether :meth:`decode_prescaled` can run this step: one row, ``EMBER_NORM_DEFER`` not "0", and
-        none of the opt-in attention paths it would bypass (environment read per call, so while capturing)."""
-        return (batch == 1 and os.environ.get("EMBER_NORM_DEFER", "1") != "0"
+        """Whether :meth:`decode_prescaled` can run this step (``batch`` rows): ``EMBER_NORM_DEFER`` not
+        "0" and none of the opt-in attention paths it would bypass (environment read per call, so while
+        capturing). The MLP before it decides whether it can write its side (up to 16 rows for MoE)."""
+        return (batch >= 1 and os.environ.get("EMBER_NORM_DEFER", "1") != "0"
                 and all(os.environ.get(k, "0") != "1"
                         for k in ("EMBER_ATTN_FUSED_ROPE", "EMBER_FUSED_QKV", "EMBER_NORM_QKV_FUSED")))
 

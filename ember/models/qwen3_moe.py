@@ -68,12 +68,13 @@ class SparseMoe(nn.Module):
 def add_norm_route_experts_prescaled(moe: nn.Module, a: torch.Tensor, residual: torch.Tensor,
                                      norm_weight: torch.Tensor, eps: float, next_norm_weight: torch.Tensor,
                                      **route) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One decode token: :func:`add_norm_route_experts`, but the experts' down GEMV writes the next
-    residual h = out + new_residual and h * next_norm_weight (``ember.ops.moe_experts_add_scale``)
-    instead of out: the next layer's pre-attention norm without its 1 / rms. Returns (h, scaled), or
-    None where the fold does not apply (then the caller takes the usual path)."""
+    """Decode (up to DECODE_MAX_TOKENS tokens): :func:`add_norm_route_experts`, but the experts'
+    last launch writes the next residual h = out + new_residual and h * next_norm_weight
+    (``ember.ops.moe_experts_add_scale``) instead of out: the next layer's pre-attention norm
+    without its 1 / rms. Returns (h, scaled), or None where the fold does not apply (then the caller
+    takes the usual path)."""
     x = a.reshape(-1, a.shape[-1])
-    if (x.shape[0] != 1 or os.environ.get("EMBER_ROUTER_FUSED", "1") != "1"
+    if (x.shape[0] > moe_ops.DECODE_MAX_TOKENS or os.environ.get("EMBER_ROUTER_FUSED", "1") != "1"
             or os.environ.get("EMBER_NORM_ROUTE_FUSED", "1") != "1"):
         return None
     normed, new_res, w, ids = moe_ops.add_rmsnorm_route_hidden(x, residual.reshape(x.shape), norm_weight, moe.router,

@@ -15,10 +15,10 @@
   calls before ``moe_experts``. The logits are rounded to ``x.dtype`` first, as F.linear returns them.
 * ``add_rmsnorm_route_hidden(x, residual, norm_weight, router_weight, top_k)``: the decoder's
   post-attention ``add_rmsnorm`` and ``moe_route_hidden`` of its output, one launch on CUDA.
-* ``moe_experts_add_scale(x, ..., residual, norm_weight)`` (one token): ``h = moe_experts(x, ...) +
+* ``moe_experts_add_scale(x, ..., residual, norm_weight)`` (decode, <= 16 tokens): ``h = moe_experts(x, ...) +
   residual`` and ``h * norm_weight``, i.e. the next layer's pre-attention ``add_rmsnorm`` without its
   1 / rms (which needs the whole row; ``qk_norm_rope_cache(prenorm=...)`` applies it), written by the
-  down GEMV's epilogue on CUDA: the decode step's per-layer norm launch folded away.
+  down GEMV's (T=1) or the combine's epilogue on CUDA: the decode step's per-layer norm launch folded away.
 
 Numerics (the spec the kernels are tested against): float32 math throughout, except that the
 activation ``silu(g) * u`` is rounded once to ``x.dtype`` before the down projection (as every bf16
@@ -493,13 +493,14 @@ def moe_experts_add_scale(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
                           norm_weight: torch.Tensor, *, gate_up_scale: torch.Tensor | None = None,
                           down_scale: torch.Tensor | None = None,
                           check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token's experts added to the residual stream, and that sum times the next norm's weight.
+    """A decode step's experts added to the residual stream, and that sum times the next norm's weight.
 
     Returns ``(h, scaled)``: ``h = moe_experts(x, ...) + residual`` (each rounded to x.dtype, as
     ``add_rmsnorm`` forms its residual output) and ``scaled = h * norm_weight``; the decode step's
     next pre-attention ``add_rmsnorm(...)`` equals ``scaled / rms(h)``, and the kernel after the
     qkv projection applies the ``1 / rms(h)`` (``qk_norm_rope_cache(..., prenorm=(h, eps))``), so the
-    norm needs no launch of its own. ``x``, ``residual``: ``[1, H]``; ``norm_weight``: ``[H]``.
+    norm needs no launch of its own. ``x``, ``residual``: ``[T, H]``, 1 <= T <= 16; ``norm_weight``:
+    ``[H]``. On CUDA: the epilogue of the T=1 down GEMV, or of the decode path's combine kernel.
 
     Example:
         >>> x, res = torch.randn(1, 64), torch.randn(1, 64)
@@ -509,8 +510,8 @@ def moe_experts_add_scale(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
     """
     _validate_weights(x, w_gate_up, w_down, gate_up_scale, down_scale)
     _validate_topk(x, w_gate_up, topk_weights, topk_ids, check)
-    if x.shape[0] != 1:
-        raise ValueError(f"x: moe_experts_add_scale takes one token, got {x.shape[0]}")
+    if not 1 <= x.shape[0] <= DECODE_MAX_TOKENS:
+        raise ValueError(f"x: moe_experts_add_scale takes 1 to {DECODE_MAX_TOKENS} tokens (decode), got {x.shape[0]}")
     _checks.tensor("residual", residual)
     _checks.tensor("norm_weight", norm_weight, ndim=1)
     _checks.same_device(x=x, residual=residual, norm_weight=norm_weight)

@@ -905,6 +905,27 @@ def test_experts_add_scale_kernels_interpreter(interpreter, poisoned_buffers, mo
     assert torch.equal(scaled, (h.float() * lnw.float()).to(xdtype))
 
 
+@pytest.mark.parametrize("wdtype,scale", [(torch.float32, None), (torch.bfloat16, None), (FP8, "block")])
+def test_experts_add_scale_grouped_interpreter(interpreter, poisoned_buffers, wdtype, scale):
+    """3 tokens (the decode path's grouped kernels): the fold sits in the combine kernel's epilogue."""
+    xdtype = torch.bfloat16 if wdtype == FP8 else wdtype
+    if wdtype == FP8:
+        wgu, gs, wd, ds = make_weights(FP8, scale=scale)
+    else:
+        wgu, wd, gs, ds = make_weights(wdtype)
+    x, res = torch.randn(3, H).to(xdtype), torch.randn(3, H).to(xdtype)
+    lnw = (torch.rand(H) + 0.5).to(xdtype)
+    tw, tid = moe_ops.moe_route_reference(torch.randn(3, E), K)
+    h, scaled = ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs, down_scale=ds)
+    eh, es = float64_add_scale(x, wgu, wd, tw, tid, res, lnw, gs, ds)
+    assert_close(h, eh, xdtype)
+    assert_close(scaled, es, xdtype)
+    assert torch.equal(scaled, (h.float() * lnw.float()).to(xdtype))
+    # and the plain combine still writes the experts' sum
+    assert_close(ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds),
+                 moe_ops.moe_experts_reference(x, wgu, wd, tw, tid, gs, ds), xdtype)
+
+
 def test_experts_add_scale_compile_fullgraph_cpu():
     x, res, lnw = torch.randn(1, H), torch.randn(1, H), torch.rand(H) + 0.5
     wgu, wd, _, _ = make_weights(torch.float32)
@@ -929,8 +950,8 @@ def _add_scale(**over):
 
 
 @pytest.mark.parametrize("call, exc, words", [
-    (lambda: _add_scale(x=torch.randn(2, H), topk_weights=torch.rand(2, K), topk_ids=torch.zeros(2, K, dtype=torch.int32),
-                        residual=torch.randn(2, H)), ValueError, "x: moe_experts_add_scale takes one token, got 2"),
+    (lambda: _add_scale(x=torch.randn(17, H), topk_weights=torch.rand(17, K), topk_ids=torch.zeros(17, K, dtype=torch.int32),
+                        residual=torch.randn(17, H)), ValueError, "x: moe_experts_add_scale takes 1 to 16 tokens"),
     (lambda: _add_scale(residual=torch.randn(1, H + 1)), ValueError, "residual: expected shape"),
     (lambda: _add_scale(residual=torch.randn(1, H).half()), TypeError, "residual: expected dtype"),
     (lambda: _add_scale(residual=[0.0] * H), TypeError, "residual: expected a torch.Tensor"),
@@ -945,17 +966,17 @@ def test_experts_add_scale_bad_input(call, exc, words):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant,T", [("v1", 1), ("v2", 1), ("v1", 4)])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, "block"])
-def test_gpu_experts_add_scale_qwen3_shapes(cuda, monkeypatch, variant, wdtype):
+def test_gpu_experts_add_scale_qwen3_shapes(cuda, monkeypatch, variant, T, wdtype):
     monkeypatch.setenv("EMBER_MOE_T1", variant)
-    x, res = torch.randn(1, QH, device=cuda).bfloat16(), torch.randn(1, QH, device=cuda).bfloat16()
+    x, res = torch.randn(T, QH, device=cuda).bfloat16(), torch.randn(T, QH, device=cuda).bfloat16()
     lnw = (torch.rand(QH, device=cuda) + 0.5).bfloat16()
     if wdtype == torch.bfloat16:
         wgu, wd, gs, ds = make_weights(wdtype, QE, QH, QI, device=cuda)
     else:
         wgu, gs, wd, ds = make_weights(FP8, QE, QH, QI, device=cuda, scale=wdtype)
-    tw, tid = moe_ops.moe_route_reference(torch.randn(1, QE, device=cuda), QK)
+    tw, tid = moe_ops.moe_route_reference(torch.randn(T, QE, device=cuda), QK)
     h, scaled = ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs, down_scale=ds)
     eh, es = moe_ops.moe_experts_add_scale_reference(x, wgu, wd, tw, tid, res, lnw, gs, ds)
     assert_close(h, eh)

@@ -8,6 +8,7 @@
 #   bash bench/run_h200.sh sweeps                 # fp8 GEMV tiles, MoE T=1 v1 vs v2 (pick the defaults from these)
 #   bash bench/run_h200.sh prefill_sweep profile_vae profile_llm  # MoE prefill tiles; where VAE / LLM time goes
 #   python bench/step_variants.py $OUT/step_variants.json [--names A,B] [--sizes 400] [--batch 8] [--variants F.json]  # decode-step A/B (~4 min)
+#   python bench/step_timeline.py $OUT/step_timeline.json [--fp8]  # what each decode-step kernel adds to the chain (~1 min)
 #   python bench/l2_prefetch_probe.py $OUT/l2_prefetch.json [cache_len]  # o_proj weight prefetched into L2 (measured: no)
 #   python bench/tma_gemv_probe.py $OUT/tma_gemv.json; python bench/fp8_m16_tma_probe.py $OUT/fp8_m16.json  # TMA-fed GEMVs
 #   python bench/fp8_gemm_alternation.py $OUT/fp8_gemm_alternation.json  # fp8 GEMM vs torch._scaled_mm, in turn

@@ -136,11 +136,11 @@ class Attention(nn.Module):
         out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out)
 
-    def prescaled_decode_ok(self, batch: int) -> bool:
-        """Whether :meth:`decode_prescaled` can run this step (``batch`` rows): ``EMBER_NORM_DEFER`` not
-        "0" and none of the opt-in attention paths it would bypass (environment read per call, so while
-        capturing). The MLP before it decides whether it can write its side (up to 16 rows for MoE)."""
-        return (batch >= 1 and os.environ.get("EMBER_NORM_DEFER", "1") != "0"
+    def prescaled_decode_ok(self) -> bool:
+        """Whether :meth:`decode_prescaled` can run this step: ``EMBER_NORM_DEFER`` not "0" and none of
+        the opt-in attention paths it would bypass (environment read per call, so while capturing). The
+        MLP before it decides whether it can write its side (up to 16 rows for MoE)."""
+        return (os.environ.get("EMBER_NORM_DEFER", "1") != "0"
                 and all(os.environ.get(k, "0") != "1"
                         for k in ("EMBER_ATTN_FUSED_ROPE", "EMBER_FUSED_QKV", "EMBER_NORM_QKV_FUSED")))
 
@@ -287,7 +287,7 @@ class CausalLM(nn.Module):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             fold_next = getattr(layer.mlp, "add_norm_forward_prescaled", None)
             if (attend_prescaled is not None and fold_next is not None and nxt is not None
-                    and getattr(nxt.attn, "prescaled_decode_ok", lambda b: False)(a.shape[0])):
+                    and getattr(nxt.attn, "prescaled_decode_ok", lambda: False)()):
                 prescaled = fold_next(a, residual, layer.ln2, self.eps, nxt.ln1)
                 if prescaled is not None:
                     continue
@@ -326,6 +326,7 @@ class CausalLM(nn.Module):
             fold = getattr(attn, "add_norm_decode", None)
             return None if fold is None else fold(m, residual, norm_weight, self.eps, positions, seq_lens,
                                                   self.cos, self.sin, caches[i])
+
         def attend_prescaled(i, attn, scaled, h):
             return attn.decode_prescaled(scaled, h, self.eps, positions, seq_lens, self.cos, self.sin, caches[i])
         return self._run(x, lambda i, attn, h: attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i]),

@@ -61,38 +61,22 @@ class SparseMoe(nn.Module):
                                    eps: float, next_norm_weight: torch.Tensor):
         """:meth:`add_norm_forward` returning (h, h * next_norm_weight) for the next layer's deferred
         pre-attention norm (``CausalLM._run``), or None where that does not apply."""
-        return add_norm_route_experts_prescaled(self, a, residual, norm_weight, eps, next_norm_weight,
-                                                renormalize=self.renormalize)
-
-
-def add_norm_route_experts_prescaled(moe: nn.Module, a: torch.Tensor, residual: torch.Tensor,
-                                     norm_weight: torch.Tensor, eps: float, next_norm_weight: torch.Tensor,
-                                     **route) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Decode (up to DECODE_MAX_TOKENS tokens): :func:`add_norm_route_experts`, but the experts'
-    last launch writes the next residual h = out + new_residual and h * next_norm_weight
-    (``ember.ops.moe_experts_add_scale``) instead of out: the next layer's pre-attention norm
-    without its 1 / rms. Returns (h, scaled), or None where the fold does not apply (then the caller
-    takes the usual path)."""
-    x = a.reshape(-1, a.shape[-1])
-    if (x.shape[0] > moe_ops.DECODE_MAX_TOKENS or os.environ.get("EMBER_ROUTER_FUSED", "1") != "1"
-            or os.environ.get("EMBER_NORM_ROUTE_FUSED", "1") != "1"):
-        return None
-    normed, new_res, w, ids = moe_ops.add_rmsnorm_route_hidden(x, residual.reshape(x.shape), norm_weight, moe.router,
-                                                               moe.top_k, eps=eps, **route)
-    h, scaled = moe_ops.moe_experts_add_scale(normed, moe.w_gate_up, moe.w_down, w, ids, new_res, next_norm_weight,
-                                              gate_up_scale=moe.gate_up_scale, down_scale=moe.down_scale,
-                                              check=False)  # ids come from the routing: in range
-    return h.reshape(a.shape), scaled.reshape(a.shape)
+        return add_norm_route_experts(self, a, residual, norm_weight, eps, next_norm_weight,
+                                      renormalize=self.renormalize)
 
 
 def add_norm_route_experts(moe: nn.Module, a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float, **route) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           eps: float, next_norm_weight: torch.Tensor | None = None,
+                           **route) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``moe``'s decode forward of ``add_rmsnorm(a, residual, norm_weight)``, the norm in the router's
     launch (``ember.ops.add_rmsnorm_route_hidden``, ``route`` its routing arguments), then the experts.
 
     Returns ``(out, new_residual)``, or None where the fold does not apply (more than
     DECODE_MAX_TOKENS tokens, ``EMBER_ROUTER_FUSED=0``, or ``EMBER_NORM_ROUTE_FUSED=0``): the caller
     then runs the norm and ``moe.forward``. Saves one launch per layer (H200 figures in ARCHITECTURE.md).
+    With ``next_norm_weight``: the experts' last launch writes the next residual h = out +
+    new_residual and h * next_norm_weight instead (``ember.ops.moe_experts_add_scale``: the next
+    layer's pre-attention norm without its 1 / rms), and this returns ``(h, scaled)``.
     """
     x = a.reshape(-1, a.shape[-1])
     if (x.shape[0] > moe_ops.DECODE_MAX_TOKENS or os.environ.get("EMBER_ROUTER_FUSED", "1") != "1"
@@ -100,8 +84,12 @@ def add_norm_route_experts(moe: nn.Module, a: torch.Tensor, residual: torch.Tens
         return None
     normed, new_res, w, ids = moe_ops.add_rmsnorm_route_hidden(x, residual.reshape(x.shape), norm_weight, moe.router,
                                                                moe.top_k, eps=eps, **route)
-    y = moe_ops.moe_experts(normed, moe.w_gate_up, moe.w_down, w, ids, gate_up_scale=moe.gate_up_scale,
-                            down_scale=moe.down_scale, check=False)  # ids come from the routing: in range
+    scales = dict(gate_up_scale=moe.gate_up_scale, down_scale=moe.down_scale, check=False)  # ids: in range
+    if next_norm_weight is not None:
+        h, scaled = moe_ops.moe_experts_add_scale(normed, moe.w_gate_up, moe.w_down, w, ids, new_res,
+                                                  next_norm_weight, **scales)
+        return h.reshape(a.shape), scaled.reshape(a.shape)
+    y = moe_ops.moe_experts(normed, moe.w_gate_up, moe.w_down, w, ids, **scales)
     return y.reshape(a.shape), new_res.reshape(a.shape)
 
 

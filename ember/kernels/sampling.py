@@ -79,6 +79,9 @@ MIN_CHUNK = 1024          # split rows: at least this many elements per program
 CAP = 512                 # candidate list per row (top-k / top-p path)
 TOPP_CANDIDATE_CHUNKS = 32  # top-p only: L = this-th largest chunk max
 SMALL_SORT = 128          # up to this many candidates: a sort of this block, not of CAP
+NUCLEUS_PIVOTS = 8        # top-p alone, one launch: pivots per round of the distributed search (H200:
+                          # 4 needs too many rounds, 16 costs registers: nucleus_probe.json)
+NUCLEUS_ROUNDS = 6        # rounds before the bisection fallback (each narrows the bracket ~7x)
 FALLBACK_BLOCK = 4096     # elements per step of the bisection fallback's passes over the row:
                           # H200, top-p alone at [1, 128256]: 721 vs 1534 us with 1024 (8192 spills)
 RESERVE_SEM = "relaxed"    # one-launch sampler: the candidate-slot reservation atomic (A/B: "acq_rel")
@@ -674,9 +677,10 @@ def _append_candidates(z, cols, inb, L, n_ptr, cand_z_ptr, cand_i_ptr, row, CAP:
 
 
 @triton.jit
-def _thresholds_sorted(cz, k, p, M, Z, BLOCK: tl.constexpr):
+def _thresholds_sorted(cz, k, p, M, Z, mass_above, BLOCK: tl.constexpr):
     """(tau, candidate mass) from the candidates ``cz`` ([BLOCK], -inf padded): sort them, read tau_k
-    and tau_p off the sorted prefix sums."""
+    and tau_p off the sorted prefix sums. ``mass_above``: the mass of the row's values above every
+    candidate that are not in the list (the nucleus search's bracket; 0 otherwise)."""
     i = tl.arange(0, BLOCK)
     srt = tl.sort(cz, descending=True)
     e = tl.exp(srt - M)
@@ -684,25 +688,31 @@ def _thresholds_sorted(cz, k, p, M, Z, BLOCK: tl.constexpr):
     ek = tl.where(srt >= tau_k, e, 0.0)
     mass_k = tl.where(k > 0, tl.sum(ek, axis=0), Z)
     # mass strictly before each sorted position; the nucleus ends at the last one < p
-    before = tl.cumsum(ek, axis=0) - ek
-    in_p = (before < p * mass_k) & (srt >= tau_k)
+    before = tl.cumsum(ek, axis=0) - ek + mass_above
+    in_p = (before < p * mass_k) & (srt >= tau_k) & (srt > -float("inf"))
     tau_p = tl.min(tl.where(in_p, srt, float("inf")), axis=0)
     return tl.where(p < 1.0, tau_p, tau_k), tl.sum(e, axis=0)
 
 
 @triton.jit
-def _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP: tl.constexpr,
+def _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, mass_above, seed, off, CAP: tl.constexpr,
                 BLOCK: tl.constexpr):
-    """(token, candidate mass) from the first BLOCK slots of the row's candidate list (n <= BLOCK):
-    the thresholds, then the race among the survivors."""
+    """(packed winner (``_pack``), candidate mass) from the first BLOCK slots of the row's candidate
+    list (n <= BLOCK): the thresholds, then the race among the survivors."""
     i = tl.arange(0, BLOCK)
     cz = tl.load(cand_z_ptr + row * CAP + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
     ci = tl.load(cand_i_ptr + row * CAP + i, mask=i < n, other=0, cache_modifier=".cg")
-    tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, BLOCK)
+    tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, mass_above, BLOCK)
     keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
     key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
     w = tl.argmax(key, axis=0)
-    return tl.sum(tl.where(i == w, ci, 0), axis=0), cand_mass
+    return _pack(tl.max(key, axis=0), tl.sum(tl.where(i == w, ci, 0), axis=0)), cand_mass
+
+
+@triton.jit
+def _token(packed):
+    """The token of a packed race winner (``_pack``)."""
+    return (0x7FFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32)
 
 
 @triton.jit
@@ -713,9 +723,11 @@ def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_
     the sorted prefix sums, race the survivors; the exact bisection over the row when the list
     overflowed or cannot decide top-p."""
     if n <= SMALL_SORT:
-        tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, SMALL_SORT)
+        won, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, 0.0, seed, off, CAP,
+                                     SMALL_SORT)
     else:
-        tok, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, seed, off, CAP, CAP)
+        won, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, 0.0, seed, off, CAP, CAP)
+    tok = _token(won)
     # top-k: the candidates hold every value >= L <= tau_k. top-p alone: they hold all the mass
     # above L, so the nucleus is decided iff that mass reaches p
     complete = tl.where(k > 0, L < float("inf"), (cand_mass >= p * Z) | (V <= CAP))
@@ -766,6 +778,103 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
 
 
 @triton.jit
+def _pivot(a, b, lo, jj, NB: tl.constexpr):
+    """Pivot jj of a round: NB - 1 spread evenly from b (jj = 0) down to a, the last one at lo."""
+    q = b - (b - a) * (tl.full([], jj, tl.float32) / (NB - 2))
+    if jj == NB - 1:
+        q = lo
+    return q
+
+
+@triton.jit
+def _pivot_partials(z, e, a, b, lo, NB: tl.constexpr):
+    """(pivots q, mass, count): per pivot q_j (``_pivot``) the mass (sum of e) and the count of this
+    block's finite values z >= q_j, as one [CHUNK, NB] block and two sums over it. H200, inside the
+    one-launch sampler: 13.7-23.9 us a call at NB = 8 vs 15.0-27.3 with two sums per pivot (the
+    sampler is at 255 registers; bench/results/h200/nucleus_probe.json, pivot_partials_probe.json)."""
+    j = tl.arange(0, NB)
+    q = tl.zeros([NB], tl.float32)
+    for jj in tl.static_range(NB):
+        q = tl.where(j == jj, _pivot(a, b, lo, jj, NB), q)
+    ge = (z[:, None] >= q[None, :]) & (z[:, None] > -float("inf"))
+    return q, tl.sum(tl.where(ge, e[:, None], 0.0), axis=0), tl.sum(ge.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _pick(vec, j, i):
+    """vec[i] of a register block indexed by j (tl.arange)."""
+    return tl.sum(tl.where(j == i, vec, tl.zeros_like(vec)), axis=0)
+
+
+@triton.jit
+def _nucleus_bracket(z, e, xrow, V, t1, M, Z0, p, row, c, P, pg_ptr, pn_ptr, round_bar_ptr, round_bar_stride, bar_ptr,
+                     spin_cap,
+                     CHUNK: tl.constexpr, PB: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
+                     CAP: tl.constexpr, LD_POLL: tl.constexpr):
+    """Top-p alone: a bracket [lo, hi) of z holding the nucleus threshold, searched by the row's P
+    programs together (each holds its chunk z and e = exp(z - M) in registers).
+
+    The threshold is the largest row value v with G(v) >= p * Z, G(v) the mass of the values >= v
+    and Z the row's mass: the sorted prefix sums' rule without the sort. Per round every program
+    stores the mass and count of its values >= each of NB pivots spread over the bracket (the last
+    pivot is the bracket's lower end; round 0 has it at -inf, which gives Z), meets its siblings at
+    the row's barrier, and sums the P partials: the same sums in the same order in every program,
+    so all take the same bracket: [q_j, q_{j-1}) for the first pivot with G(q_j) >= p * Z. Rounds
+    stop once the bracket holds <= CAP values. Round 0 spreads the pivots from the row max down to
+    M + log((1 - p) * Z0 / V) - 1, Z0 the row statistics' mass (every value below it together has
+    < (1 - p) of the mass; Z0 is the same in every program, also in one that recomputed it).
+    A program that gives up waiting stores every chunk's partials itself (the values its siblings
+    store: same code on the same data) and goes on, counted in ``bar_ptr[1]``.
+    Returns (lo, hi, mass of the values >= hi, Z, values in the bracket).
+    """
+    j = tl.arange(0, NB)
+    pid = tl.arange(0, PB)
+    fzero = M * 0.0
+    lo = fzero - float("inf")
+    hi = fzero + float("inf")
+    g_hi = fzero
+    Z = fzero
+    n_hi = (c * 0).to(tl.int32)
+    n_br = n_hi + CAP + 1
+    a0 = tl.maximum(M + tl.log((1.0 - p) * Z0 / V.to(tl.float32)) - 1.0, M - 40.0)
+    r = 0
+    while (r < ROUNDS) & (n_br > CAP):
+        a = tl.where(lo > -float("inf"), lo, a0)
+        b = tl.where(hi < float("inf"), hi, M)
+        q, g, n = _pivot_partials(z, e, a, b, lo, NB)
+        base = (row * ROUNDS + r) * P
+        tl.store(pg_ptr + (base + c) * NB + j, g)
+        tl.store(pn_ptr + (base + c) * NB + j, n)
+        tl.debug_barrier()  # the partial stores precede the release below
+        add = tl.where(c == 0, BARRIER_GEN - (P - 1), 1).to(tl.int64)
+        bar = round_bar_ptr + r * round_bar_stride + row
+        v = tl.atomic_add(bar, add, sem="acq_rel", scope="gpu")
+        gave_up = _barrier_wait(bar, v, add, spin_cap, LD_POLL)
+        if gave_up:
+            for c2 in range(0, P):
+                cols2 = c2 * CHUNK + tl.arange(0, CHUNK)
+                z2 = tl.load(xrow + cols2, mask=cols2 < V, other=-float("inf")).to(tl.float32) / t1
+                _, g2, n2 = _pivot_partials(z2, tl.where(z2 > -float("inf"), tl.exp(z2 - M), 0.0), a, b, lo, NB)
+                tl.store(pg_ptr + (base + c2) * NB + j, g2)
+                tl.store(pn_ptr + (base + c2) * NB + j, n2)
+            tl.atomic_add(bar_ptr + 1, 1)
+        tl.debug_barrier()
+        offs = (base + pid[:, None]) * NB + j[None, :]
+        G = tl.sum(tl.load(pg_ptr + offs, mask=pid[:, None] < P, other=0.0, cache_modifier=".cg"), axis=0)
+        N = tl.sum(tl.load(pn_ptr + offs, mask=pid[:, None] < P, other=0, cache_modifier=".cg"), axis=0)
+        Z = tl.where(r == 0, _pick(G, j, NB - 1), Z)
+        js = tl.min(tl.where(G >= p * Z, j, NB - 1), axis=0)
+        above = js > 0
+        hi = tl.where(above, _pick(q, j, js - 1), hi)
+        g_hi = tl.where(above, _pick(G, j, js - 1), g_hi)
+        n_hi = tl.where(above, _pick(N, j, js - 1), n_hi)
+        lo = _pick(q, j, js)
+        n_br = _pick(N, j, js) - n_hi
+        r += 1
+    return lo, hi, g_hi, Z, n_br
+
+
+@triton.jit
 def _row_stats_exact(xrow, V, t, P, CHUNK: tl.constexpr, PB: tl.constexpr):
     """What ``_combine_stats`` gives, computed by one program from the whole row (the one-launch
     sampler's fallback when it gave up waiting at the grid barrier): M, Z, first argmax, chunk maxima."""
@@ -790,13 +899,14 @@ def _row_stats_exact(xrow, V, t, P, CHUNK: tl.constexpr, PB: tl.constexpr):
                                "spin_cap"])
 def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr, slot_ptr, out_ptr,
                               t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
-                              seed_ptr, seed_scalar, offset_ptr, offset_scalar, bar_ptr, cnt_ptr,
-                              cand_z_ptr, cand_i_ptr, spin_cap,
+                              seed_ptr, seed_scalar, offset_ptr, offset_scalar, pg_ptr, pn_ptr, round_bar_ptr,
+                              round_bar_stride, bar_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, spin_cap,
                               T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                               MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
                               CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
                               FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr,
-                              RESERVE_SEM: tl.constexpr, LD_POLL: tl.constexpr = False,
+                              RESERVE_SEM: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
+                              LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
@@ -859,6 +969,43 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
                             axis=0)
             tl.store(cnt_ptr + row, 0)
             tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
+    elif k == 0:  # top-p alone: the distributed nucleus search (_nucleus_bracket)
+        e = tl.where(z > -float("inf"), tl.exp(z - M), 0.0)
+        lo, hi, g_hi, Zn, n_br = _nucleus_bracket(z, e, xrow, V, t1, M, Z, p, row, c, P, pg_ptr, pn_ptr, round_bar_ptr,
+                                                  round_bar_stride, bar_ptr, spin_cap, CHUNK, PB, NB, ROUNDS, CAP,
+                                                  LD_POLL)
+        # the values >= hi are in the nucleus whatever its threshold: each program races its own;
+        # the bracket's values go to the list, for the row's last program to cut and race
+        tl.store(slot_ptr + row * P + c, _chunk_race(z, cols, inb & (z >= hi), M, minp, seed, row, off, c, CHUNK))
+        searched = n_br <= CAP
+        in_br = inb & (z >= lo) & (z < tl.where(searched, hi, lo))   # empty when not searched
+        if tl.max(in_br.to(tl.int32), axis=0) > 0:
+            _append_candidates(z, cols, in_br, -float("inf"), cnt_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP, True,
+                               RESERVE_SEM)
+        tl.debug_barrier()  # slot and list stores precede the arrival (release) below
+        old = tl.atomic_add(cnt_ptr + row, 1 << 32, sem="acq_rel", scope="gpu")
+        if (old >> 32) == P - 1:
+            tl.debug_barrier()
+            listed = (old & 0xFFFFFFFF).to(tl.int32)
+            i = tl.arange(0, PB)
+            won = tl.max(tl.load(slot_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"), axis=0)
+            bracketed = searched & (listed <= CAP)
+            if bracketed:
+                if listed <= SMALL_SORT:
+                    cw, cm = _race_block(cand_z_ptr, cand_i_ptr, listed, row, 0, p, minp, M, Zn, g_hi, seed, off, CAP,
+                                         SMALL_SORT)
+                else:
+                    cw, cm = _race_block(cand_z_ptr, cand_i_ptr, listed, row, 0, p, minp, M, Zn, g_hi, seed, off, CAP,
+                                         CAP)
+                won = tl.maximum(won, cw)
+            # no bracket within ROUNDS (ties wider than CAP), or no survivor (a rounding at a bracket
+            # edge): the exact bisection over the row
+            if (bracketed == 0) | ((won >> 32) <= _ordered_key(M * 0.0 - float("inf")).to(tl.int64)):
+                tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off, FALLBACK_BLOCK)
+            else:
+                tok = _token(won)
+            tl.store(out_ptr + row, tok.to(tl.int64))
+            tl.store(cnt_ptr + row, 0)
     else:
         L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
         # only the programs holding candidates (chunk max >= L) append and arrive, each with two
@@ -925,7 +1072,8 @@ def _stats(x2, t_ptr, t_scalar, t_per_row, chunk, P, sample_state=None):
 
 # ----------------------------------------------------------------------------- persistent workspace
 # One int64 buffer per device: [grid barrier counter, barrier give-ups, count[cap] (0), row
-# barrier[cap] (0)]. Every launch that uses it leaves it in this state (the
+# barrier[1 + NUCLEUS_ROUNDS, cap] (0): the waves' row barrier, then one per nucleus search round].
+# Every launch that uses it leaves it in this state (the
 # barrier counters: a multiple of BARRIER_GEN). Never freed: CUDA graphs captured earlier keep pointing at it, so an
 # outgrown buffer is parked in _OUTGROWN rather than released.
 _WORKSPACES: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -933,11 +1081,11 @@ _OUTGROWN: list[torch.Tensor] = []
 
 
 def _fresh_workspace(device: torch.device, cap: int) -> torch.Tensor:
-    return torch.zeros(2 + 2 * cap, dtype=torch.int64, device=device)
+    return torch.zeros(2 + (2 + NUCLEUS_ROUNDS) * cap, dtype=torch.int64, device=device)
 
 
 def _workspace_cap(ws: torch.Tensor) -> int:
-    return (ws.numel() - 2) // 2
+    return (ws.numel() - 2) // (2 + NUCLEUS_ROUNDS)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -945,8 +1093,9 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grid barrier [2], arrival count [rows], row barrier [rows]) views of the device's workspace,
-    in their initial state.
+    """(grid barrier [2], arrival count [rows], row barriers [1 + NUCLEUS_ROUNDS, rows]) views of the
+    device's workspace, in their initial state (row barriers: [0] the many-row softmax's, [1 + r] the
+    nucleus search's round r).
 
     First needed (or needed larger) during CUDA-graph capture: the buffer is a temporary of that
     capture, initialised by a fill that is captured too (it reruns before the kernel on every replay,
@@ -968,7 +1117,7 @@ def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Ten
                 _OUTGROWN.append(ws)
             ws = _WORKSPACES[key] = fresh
     cap = _workspace_cap(ws)
-    return ws[:2], ws[2:2 + rows], ws[2 + cap:2 + cap + rows]
+    return ws[:2], ws[2:2 + rows], ws[2 + cap:].view(1 + NUCLEUS_ROUNDS, cap)[:, :rows]
 
 
 def barrier_give_ups(device: torch.device) -> int:
@@ -1104,7 +1253,8 @@ def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: 
     """
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
-    barrier, _, row_barrier = _workspace(x2.device, B)
+    barrier, _, row_barriers = _workspace(x2.device, B)
+    row_barrier = row_barriers[0]
     if cfg.lag:
         return _softmax_lagged_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
                                                 barrier, row_barrier, 1.0 / temperature, spin_cap,
@@ -1257,13 +1407,15 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     slots = torch.empty((B, P), dtype=torch.int64, device=dev)
     cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
     cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
-    barrier, count, _ = _workspace(dev, B)
+    pivots = torch.empty((2, B, NUCLEUS_ROUNDS, P, NUCLEUS_PIVOTS), dtype=torch.float32, device=dev)  # mass, count
+    barrier, count, row_barriers = _workspace(dev, B)
+    round_barriers = row_barriers[1:]
     has_off = isinstance(offset, torch.Tensor)
     args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
     _sample_one_launch_kernel[(B, P)](
         x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
-        offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0),
-        barrier, count, cand_z, cand_i, spin_cap, **flags,
+        offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0), pivots[0], pivots[1].view(torch.int32),
+        round_barriers, round_barriers.stride(0), barrier, count, cand_z, cand_i, spin_cap, **flags,
         OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
-        SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM,
+        SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, NB=NUCLEUS_PIVOTS, ROUNDS=NUCLEUS_ROUNDS,
         LD_POLL=dev.type == "cuda", num_warps=_warps(chunk) * 2, **pdl_options(dev))

@@ -30,10 +30,11 @@ def _k():
 
 
 def _assert_workspace_clean(ws):
-    cap = (ws.numel() - 2) // 2
+    cap = _k()._workspace_cap(ws)
+    assert ws.numel() == 2 + (2 + _k().NUCLEUS_ROUNDS) * cap
     assert int(ws[0]) % GEN == 0                                # grid barrier counter between launches
     assert bool((ws[2:2 + cap] == 0).all())                     # arrival counters (argmax, sample)
-    assert bool((ws[2 + cap:] % GEN == 0).all())                # row barriers (many-row softmax)
+    assert bool((ws[2 + cap:] % GEN == 0).all())                # row barriers (many-row softmax, nucleus rounds)
 
 
 # ------------------------------------------------------------------ argmax, interpreter
@@ -135,7 +136,8 @@ def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch, lag):
     base = (torch.randn(B, V + 24) * 4).to(dtype)
     x = base[:, 8:8 + V]                               # rows not contiguous with each other
     x[3, 4400:] = -math.inf                            # -inf tail inside the partial chunk
-    barrier, _, row_bar = k._workspace(x.device, B)
+    barrier, _, row_bars = k._workspace(x.device, B)
+    row_bar = row_bars[0]
     start, give_ups = row_bar.clone(), int(barrier[1])
     for call, (log, T) in enumerate(((False, 0.7), (True, 1.0), (False, 1.3))):
         out = poisoned((B, V), torch.float32, "cpu")
@@ -449,8 +451,45 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
     assert torch.equal(one, two)
     probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
     assert bool((probs[torch.arange(2), one] > 0).all())
-    assert int(barrier[1]) == give_ups + 2 * 20 - 1 and int(barrier[0]) % GEN == 0
-    assert bool((count == 0).all())
+    # all but the grid's last program give up at the grid barrier; top-p alone adds the nucleus
+    # search's rounds, where all but each row's last program give up (19 a row and round)
+    extra = int(barrier[1]) - give_ups - (2 * 20 - 1)
+    nucleus = mix["top_k"] == 0 and 0 < mix["temperature"] and mix["top_p"] < 1.0
+    assert (extra > 0 and extra % 19 == 0) if nucleus else extra == 0, extra
+    assert int(barrier[0]) % GEN == 0
+    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+
+
+def _nucleus_rows():
+    """[3, 5000] rows (5 programs each) for the top-p-alone search: a flat row whose nucleus (thousands
+    of values) takes several rounds and the race of the values above the bracket, integer logits (ties at
+    every pivot), a tie of 1000 values under 5 larger ones: the threshold falls in a tie wider than
+    the list (the bisection fallback, though values above the bracket are known)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 5000, generator=g)
+    x[0] = torch.linspace(0.0, 1.0, 5000)[torch.randperm(5000, generator=g)]
+    x[1] = (x[1] * 3).round()
+    x[2, :1000] = 9.0
+    x[2, 1000:1005] = 12.0
+    return x
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.95])
+def test_sample_one_launch_nucleus_search_equals_two_launches_interpreter(interpreter, top_p):
+    """The distributed nucleus search (rounds of pivot masses, the bracket's values listed, the values
+    above it raced by their programs) draws the two launches' token (their candidate list or exact
+    bisection) for the same seed and offset, on rows that need several rounds, ties and the fallback."""
+    k = _k()
+    x = _nucleus_rows()
+    for offset in (0, 2, 3):   # 2 and 3: the tie row's winner is in the tie, 0: above it
+        two = poisoned((3,), torch.int64, "cpu")
+        k.sample(x, two, 1.0, 0, top_p, 0.0, 9, offset)
+        one = poisoned((3,), torch.int64, "cpu")
+        k.sample_one_launch(x, one, 1.0, 0, top_p, 0.0, 9, offset, spin_cap=2)
+        assert torch.equal(one, two), (offset, one, two)
+        probs = S.sampling_probs_reference(x, 1.0, 0, top_p, 0.0)
+        assert bool((probs[torch.arange(3), one] > 0).all())
+    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
 
 
 @pytest.mark.gpu
@@ -579,3 +618,78 @@ def test_gpu_sample_small_sort_equals_full_sort(cuda, monkeypatch, mix):
         probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
         for rep in toks["128"]:
             assert bool((probs[torch.arange(x.shape[0], device=probs.device), rep.to(probs.device)] > 0).all())
+
+
+# ------------------------------------------------------------------ top-p alone: the nucleus search
+def _nucleus_rows_full(device):
+    """[1, 128256] rows for the nucleus search at the bench's vocabulary: LLM-like (a few tokens hold
+    most of the mass), the bench's N(0, 3^2), wider N(0, 4.3^2) (nucleus of hundreds), a flat row
+    (nucleus of ~10^5: several rounds, the race above the bracket), integer logits (ties at every
+    pivot), a tie of 1000 values on top (wider than the list: the bisection fallback)."""
+    g = torch.Generator().manual_seed(7)
+    V = 128256
+    rows = [torch.randn(V, generator=g) * 2, torch.randn(V, generator=g) * 3, torch.randn(V, generator=g) * 4.3,
+            torch.rand(V, generator=g), (torch.randn(V, generator=g) * 3).round(), torch.randn(V, generator=g)]
+    rows[0][torch.randperm(V, generator=g)[:5]] += 12.0
+    rows[5][torch.randperm(V, generator=g)[:1000]] = 9.0
+    return [r.view(1, V).to(device) for r in rows]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", [dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_p=0.5),
+                                 dict(temperature=1.3, top_p=0.99), dict(temperature=0.8, top_p=0.95, min_p=0.01)])
+def test_gpu_nucleus_search_equals_two_launches(cuda, monkeypatch, mix):
+    """Top-p alone at [1, 128256] takes the one-launch nucleus search; it draws the two launches'
+    token (their candidate list or the exact bisection) for the same seed and offset, on rows that
+    take one round, several, and the fallback. No program gives up waiting; the workspace is clean."""
+    k = _k()
+    calls = _count_wave_launches(monkeypatch, k, "sample_one_launch")
+    seed = torch.tensor([3], device=cuda)
+    give_ups = k.barrier_give_ups(torch.device(cuda))
+    for x in _nucleus_rows_full(cuda):
+        probs = S.sampling_probs_reference(x, **mix)[0]
+        for i in range(6):
+            off = torch.full((1,), i, dtype=torch.int64, device=cuda)
+            one = ember.ops.sample(x, **mix, seed=seed, offset=off.clone())
+            monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
+            two = ember.ops.sample(x, **mix, seed=seed, offset=off.clone())
+            monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
+            assert torch.equal(one, two), (i, one, two)
+            assert probs[int(one)] > 0
+    assert len(calls) == 6 * 6
+    torch.cuda.synchronize()
+    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    assert k.barrier_give_ups(torch.device(cuda)) == give_ups
+
+
+@pytest.mark.gpu
+def test_gpu_nucleus_search_chi_square_graph_replays(cuda):
+    """100,000 draws of top-p alone (one launch, nucleus search) from a CUDA graph of 100 calls that
+    advance the offset, on a [1, 20000] row whose nucleus spans two rounds: the counts fit the
+    float64 reference (chi-square), every draw in its support."""
+    from tests.ops.test_sampling import P_FAIL, chi2_pvalue
+    g = torch.Generator().manual_seed(11)
+    V = 20000
+    x = (torch.randn(1, V, generator=g) * 1.5).to(cuda)
+    mix = dict(temperature=0.9, top_p=0.6)
+    seed = torch.tensor([21], device=cuda)
+    off = torch.zeros(1, dtype=torch.int64, device=cuda)
+    out = torch.empty(100, dtype=torch.int64, device=cuda)
+    ember.ops.sample(x, **mix, seed=seed, offset=off)                       # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for j in range(100):
+            out[j] = ember.ops.sample(x, **mix, seed=seed, offset=off, check=False)[0]
+    draws = []
+    for _ in range(1000):
+        graph.replay()
+        draws.append(out.clone())
+    tok = torch.cat(draws).cpu()
+    probs = S.sampling_probs_reference(x.cpu(), **mix)[0]
+    assert bool((probs[tok] > 0).all())
+    exp_counts = probs * tok.numel()
+    small = (exp_counts < 5) & (probs > 0)
+    counts = torch.bincount(tok, minlength=V).double()
+    counts = torch.cat([counts[~small], counts[small].sum().view(1)])
+    probs = torch.cat([probs[~small], probs[small].sum().view(1)])
+    assert chi2_pvalue(counts, probs) > P_FAIL

@@ -12,6 +12,8 @@
 #   python bench/l2_prefetch_probe.py $OUT/l2_prefetch.json [cache_len]  # o_proj weight prefetched into L2 (measured: no)
 #   python bench/tma_gemv_probe.py $OUT/tma_gemv.json; python bench/fp8_m16_tma_probe.py $OUT/fp8_m16.json  # TMA-fed GEMVs
 #   python bench/fp8_gemm_alternation.py $OUT/fp8_gemm_alternation.json  # fp8 GEMM vs torch._scaled_mm, in turn
+#   git show HEAD:ember/kernels/sampling.py > before_sampling.py; python bench/nucleus_probe.py $OUT/nucleus_probe.json before_sampling.py  # top-p alone vs an older sampler
+#   python bench/pivot_partials_probe.py $OUT/pivot_partials_probe.json  # the nucleus search's per-program sums, by formulation
 # Results land in $OUT (or ./out): <suite>.json, gpu_tests.txt, doctor.txt; copy them to bench/results/h200/.
 set -u
 OUT=${OUT:-out}

@@ -13,7 +13,9 @@ Floors (H200: 4.15 TB/s copy bandwidth, ~2-3 us per dependent kernel launch insi
     ``wave_sweep`` times its shapes, ember/kernels/sampling.py ``_softmax_waves_kernel`` has the table).
   * sample [1, 128256]: one launch (grid barrier) over 513 KB plus a sort of the candidates (a 128
     block when <= 128, else 512) in one program: 8.3 us measured (10.2 with the 512 sort), against
-    6.7 us with temperature alone; bench/sampling_stages_probe.py times each stage.
+    6.7 us with temperature alone; bench/sampling_stages_probe.py times each stage. Top-p alone adds
+    a second barrier per round of the nucleus search (one round on these rows): 16.4 us measured;
+    bench/nucleus_probe.py times it on peaked to flat rows against the bisection it replaced.
 """
 from __future__ import annotations
 

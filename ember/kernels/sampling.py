@@ -46,12 +46,17 @@ cumulative sum over the row. The survivors are ``{z >= tau}`` for one threshold 
     <= the k-th largest value). Each program appends its values >= L to a small candidate list; the
     last program of the row sorts those (<= CAP values, not the row; a SMALL_SORT block when they
     fit), reads tau_k and tau_p off the sorted prefix sums, and races the candidates;
-  * when the list overflows CAP or cannot decide top-p (a flat row whose nucleus reaches below L),
-    the last program falls back to an exact bisection on the order-preserving integer key of z with
-    passes over the row: same distribution, but slow (H200 [1, 128256], top-p 0.9 alone on
-    N(0, 4.3^2) logits, a ~400-token nucleus: 0.7 ms). Spreading that search over the row's
-    resident programs (a few rounds of mass histograms over the key, a grid barrier each) is what
-    would bring it to tens of microseconds.
+  * top-p alone in the one-launch sampler: the nucleus search (``_nucleus_bracket``) spread over the
+    row's resident programs: rounds of pivot masses meeting at per-round row barriers narrow a
+    bracket of z to <= CAP values; those are listed, the values above the bracket are raced by
+    their own programs, the row's last program cuts the list and races it (H200 [1, 128256]:
+    13-24 us over peaked to flat rows, 1-4 rounds; the one-program bisection it replaced took
+    0.03-0.9 ms there: bench/results/h200/nucleus_probe.json);
+  * when the list overflows CAP or cannot decide top-p (two launches: a flat row whose nucleus
+    reaches below L; one launch: ties wider than CAP at the threshold), the last program falls
+    back to an exact bisection on the order-preserving integer key of z with passes over the row:
+    same distribution, but slow (H200 [1, 128256], top-p 0.9 alone on N(0, 4.3^2) logits, a
+    ~400-token nucleus: 0.7 ms). Many rows (two launches) still take it for a wide nucleus.
 Where the one-launch sampler's time goes (H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9, 8.3 us;
 ``bench/sampling_stages_probe.py`` stamps each stage; sampling_stages_probe.json): chunk statistics
 1.0 us, grid barrier 1.0, row statistics 0.7, candidate bound (sort of the 126 chunk maxima) 1.1,

@@ -61,7 +61,7 @@ def _stamped_module():
         ('    M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")\n',
          '    M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")\n'
          '    _stamp(stamp_ptr, 3, c + (M > 1e30).to(tl.int32))\n'),
-        ("PB, CAP, KC)\n        # only", "PB, CAP, KC)\n        _stamp(stamp_ptr, 4, c + (L > 1e30).to(tl.int32))\n        # only"),
+        ("QB, CAP, KC)\n        # only", "QB, CAP, KC)\n        _stamp(stamp_ptr, 4, c + (L > 1e30).to(tl.int32))\n        # only"),
         ("            tl.debug_barrier()  # the candidate stores precede the release below\n",
          "            tl.debug_barrier()  # the candidate stores precede the release below\n            _stamp(stamp_ptr, 5, c)\n"),
         ("            n = (old & 0xFFFFFFFF).to(tl.int32)\n",

@@ -16,6 +16,8 @@ Floors (H200: 4.15 TB/s copy bandwidth, ~2-3 us per dependent kernel launch insi
     6.7 us with temperature alone; bench/sampling_stages_probe.py times each stage. Top-p alone adds
     a second barrier per round of the nucleus search (one round on these rows): 16.4 us measured;
     bench/nucleus_probe.py times it on peaked to flat rows against the bisection it replaced.
+  * sample [8, 128256]: one launch as well (16 programs of 8192 a row); bench/few_rows_sample_probe.py
+    times 2-16 rows against the two launches.
 """
 from __future__ import annotations
 
@@ -101,6 +103,17 @@ def run(ctx: BenchContext) -> list[Row]:
     b, how = _time(ctx, [lambda x=x: torch.multinomial(torch.softmax(x / 0.7, -1), 1) for x in data])
     rows.append(Row(f"sample_t0.7_1x{V}", "us", e, b, f"torch softmax + multinomial ({how}-timed)",
                     target="informational"))
+    del data
+
+    ctx.progress("sample 8 rows")
+    eight = 8 if not ctx.quick else 2
+    data = _sets(ctx, (eight, V))
+    for name, kw8 in ((f"sample_t0.7_k50_p0.9_{eight}x{V}", dict(top_k=50, top_p=0.9)),
+                      (f"sample_t0.7_p0.9_{eight}x{V}", dict(top_k=0, top_p=0.9))):
+        e, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, temperature=0.7, **kw8, seed=seed, offset=offset, check=False)
+                           for x in data])
+        b, how = _time(ctx, [lambda x=x: hf_sample(x, **kw8) for x in data])
+        rows.append(Row(name, "us", e, b, f"HF-style torch pipeline ({how}-timed)", target="informational"))
     del data
 
     ctx.progress("batch rows")

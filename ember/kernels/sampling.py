@@ -34,8 +34,8 @@ Two shapes of work:
     on two streams of one device would share counters (ember issues them from one stream).
 
 Sampling (``sample``; the semantics are ember/ops/sampling.py's float64 reference) is the same two
-launches, or for few rows (B * P <= SM count, GPU) both in one (``_sample_one_launch_kernel``: grid
-barrier between them; H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9: 8.3 us (two launches: 11.6, measured
+launches, or for few rows (B * P <= SM count with chunks grown by ``fit_split``, GPU; up to 16 rows of
+128256) both in one (``_sample_one_launch_kernel``: grid barrier between them; H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9: 8.3 us (two launches: 11.6, measured
 before the small sort), temperature alone 6.7 us).
 Launch 2 draws with an exponential race (Gumbel-max): token ``argmax(z - log(-log u))``
 over the surviving tokens, ``u`` from Philox keyed on (seed, token, row, offset), so no sort and no
@@ -792,17 +792,32 @@ def _pivot(a, b, lo, jj, NB: tl.constexpr):
 
 
 @triton.jit
-def _pivot_partials(z, e, a, b, lo, NB: tl.constexpr):
+def _pivot_partials(z, e, a, b, lo, NB: tl.constexpr, PER_PIVOT: tl.constexpr):
     """(pivots q, mass, count): per pivot q_j (``_pivot``) the mass (sum of e) and the count of this
     block's finite values z >= q_j, as one [CHUNK, NB] block and two sums over it. H200, inside the
     one-launch sampler: 13.7-23.9 us a call at NB = 8 vs 15.0-27.3 with two sums per pivot (the
-    sampler is at 255 registers; bench/results/h200/nucleus_probe.json, pivot_partials_probe.json)."""
+    sampler is at 255 registers; bench/results/h200/nucleus_probe.json, pivot_partials_probe.json).
+    PER_PIVOT (chunks of several 1024 pieces, where the block would be NB times the chunk in
+    registers): two sums per pivot."""
     j = tl.arange(0, NB)
     q = tl.zeros([NB], tl.float32)
-    for jj in tl.static_range(NB):
-        q = tl.where(j == jj, _pivot(a, b, lo, jj, NB), q)
-    ge = (z[:, None] >= q[None, :]) & (z[:, None] > -float("inf"))
-    return q, tl.sum(tl.where(ge, e[:, None], 0.0), axis=0), tl.sum(ge.to(tl.int32), axis=0)
+    fin = z > -float("inf")
+    if PER_PIVOT:
+        g = tl.zeros([NB], tl.float32)
+        n = tl.zeros([NB], tl.int32)
+        for jj in tl.static_range(NB):
+            qj = _pivot(a, b, lo, jj, NB)
+            ge = (z >= qj) & fin
+            q = tl.where(j == jj, qj, q)
+            g = tl.where(j == jj, tl.sum(tl.where(ge, e, 0.0), axis=0), g)
+            n = tl.where(j == jj, tl.sum(ge.to(tl.int32), axis=0), n)
+    else:
+        for jj in tl.static_range(NB):
+            q = tl.where(j == jj, _pivot(a, b, lo, jj, NB), q)
+        ge = (z[:, None] >= q[None, :]) & fin[:, None]
+        g = tl.sum(tl.where(ge, e[:, None], 0.0), axis=0)
+        n = tl.sum(ge.to(tl.int32), axis=0)
+    return q, g, n
 
 
 @triton.jit
@@ -815,7 +830,7 @@ def _pick(vec, j, i):
 def _nucleus_bracket(z, e, xrow, V, t1, M, Z0, p, row, c, P, pg_ptr, pn_ptr, round_bar_ptr, round_bar_stride, bar_ptr,
                      spin_cap,
                      CHUNK: tl.constexpr, PB: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
-                     CAP: tl.constexpr, LD_POLL: tl.constexpr):
+                     CAP: tl.constexpr, PER_PIVOT: tl.constexpr, LD_POLL: tl.constexpr):
     """Top-p alone: a bracket [lo, hi) of z holding the nucleus threshold, searched by the row's P
     programs together (each holds its chunk z and e = exp(z - M) in registers).
 
@@ -846,7 +861,7 @@ def _nucleus_bracket(z, e, xrow, V, t1, M, Z0, p, row, c, P, pg_ptr, pn_ptr, rou
     while (r < ROUNDS) & (n_br > CAP):
         a = tl.where(lo > -float("inf"), lo, a0)
         b = tl.where(hi < float("inf"), hi, M)
-        q, g, n = _pivot_partials(z, e, a, b, lo, NB)
+        q, g, n = _pivot_partials(z, e, a, b, lo, NB, PER_PIVOT)
         base = (row * ROUNDS + r) * P
         tl.store(pg_ptr + (base + c) * NB + j, g)
         tl.store(pn_ptr + (base + c) * NB + j, n)
@@ -859,7 +874,7 @@ def _nucleus_bracket(z, e, xrow, V, t1, M, Z0, p, row, c, P, pg_ptr, pn_ptr, rou
             for c2 in range(0, P):
                 cols2 = c2 * CHUNK + tl.arange(0, CHUNK)
                 z2 = tl.load(xrow + cols2, mask=cols2 < V, other=-float("inf")).to(tl.float32) / t1
-                _, g2, n2 = _pivot_partials(z2, tl.where(z2 > -float("inf"), tl.exp(z2 - M), 0.0), a, b, lo, NB)
+                _, g2, n2 = _pivot_partials(z2, tl.where(z2 > -float("inf"), tl.exp(z2 - M), 0.0), a, b, lo, NB, PER_PIVOT)
                 tl.store(pg_ptr + (base + c2) * NB + j, g2)
                 tl.store(pn_ptr + (base + c2) * NB + j, n2)
             tl.atomic_add(bar_ptr + 1, 1)
@@ -900,15 +915,29 @@ def _row_stats_exact(xrow, V, t, P, CHUNK: tl.constexpr, PB: tl.constexpr):
     return M, Z, tl.sum(tl.where(idx == first, ca, 0), axis=0), cm
 
 
+@triton.jit
+def _piece_maxima_exact(xrow, V, t, n_pieces, PIECE: tl.constexpr, QB: tl.constexpr):
+    """The row's n_pieces piece maxima ([QB], -inf padded) from memory: what the one-launch sampler's
+    programs publish, for one that gave up waiting (maxima are exact, so the same values)."""
+    iq = tl.arange(0, QB)
+    pm = tl.full([QB], -float("inf"), tl.float32)
+    for i in range(0, n_pieces):
+        cols = i * PIECE + tl.arange(0, PIECE)
+        z = tl.load(xrow + cols, mask=cols < V, other=-float("inf")).to(tl.float32) / t
+        pm = tl.where(iq == i, tl.max(z, axis=0), pm)
+    return pm
+
+
 @triton.jit(do_not_specialize=["t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar", "offset_scalar",
                                "spin_cap"])
-def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr, slot_ptr, out_ptr,
+def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,
                               t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
                               seed_ptr, seed_scalar, offset_ptr, offset_scalar, pg_ptr, pn_ptr, round_bar_ptr,
                               round_bar_stride, bar_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, spin_cap,
                               T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                               MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
-                              CHUNK: tl.constexpr, PB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
+                              CHUNK: tl.constexpr, PB: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
+                              CAP: tl.constexpr, KC: tl.constexpr,
                               FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr,
                               RESERVE_SEM: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
                               LD_POLL: tl.constexpr = False,
@@ -946,6 +975,10 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
     tl.store(m_ptr + row * P + c, m)
     tl.store(s_ptr + row * P + c, s)
     tl.store(a_ptr + row * P + c, c * CHUNK + tl.argmax(z, axis=0))
+    if SUB == 1:
+        tl.store(ms_ptr + row * P + c, m)
+    else:  # the maxima of the chunk's SUB pieces: the candidate bound's granularity (host docstring)
+        tl.store(ms_ptr + (row * P + c) * SUB + tl.arange(0, SUB), tl.max(tl.reshape(z, [SUB, CHUNK // SUB]), axis=1))
     tl.debug_barrier()  # every thread's stores precede the release below
     first_prog = (row == 0) & (c == 0)
     add = tl.where(first_prog, BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
@@ -953,8 +986,11 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
     gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)
     tl.debug_barrier()
     M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")
+    iq = tl.arange(0, QB)
+    piece_max = tl.load(ms_ptr + row * P * SUB + iq, mask=iq < P * SUB, other=-float("inf"), cache_modifier=".cg")
     if gave_up:  # the whole row from HBM (slow, exact, counted)
         M, Z, first_max, chunk_max = _row_stats_exact(xrow, V, t1, P, CHUNK, PB)
+        piece_max = _piece_maxima_exact(xrow, V, t1, P * SUB, CHUNK // SUB, QB)
         tl.atomic_add(bar_ptr + 1, 1)
     else:
         first_max = tl.load(a_ptr + row * P + first_chunk, cache_modifier=".cg", mask=t == 0.0, other=0)
@@ -978,7 +1014,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
         e = tl.where(z > -float("inf"), tl.exp(z - M), 0.0)
         lo, hi, g_hi, Zn, n_br = _nucleus_bracket(z, e, xrow, V, t1, M, Z, p, row, c, P, pg_ptr, pn_ptr, round_bar_ptr,
                                                   round_bar_stride, bar_ptr, spin_cap, CHUNK, PB, NB, ROUNDS, CAP,
-                                                  LD_POLL)
+                                                  SUB > 1, LD_POLL)
         # the values >= hi are in the nucleus whatever its threshold: each program races its own;
         # the bracket's values go to the list, for the row's last program to cut and race
         tl.store(slot_ptr + row * P + c, _chunk_race(z, cols, inb & (z >= hi), M, minp, seed, row, off, c, CHUNK))
@@ -1012,7 +1048,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
             tl.store(out_ptr + row, tok.to(tl.int64))
             tl.store(cnt_ptr + row, 0)
     else:
-        L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
+        L = _candidate_bound(piece_max, k, p, P * SUB, V, QB, CAP, KC)
         # only the programs holding candidates (chunk max >= L) append and arrive, each with two
         # atomics on the row's counter: + its candidate count (the low 32 bits reserve its slots),
         # then + 1 << 32 (arrival, releasing its stores). The last sender sees every reservation
@@ -1377,9 +1413,11 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
     chunk, P, PB = _split(V)
     cap = min(CAP, max(16, triton.next_power_of_2(V)))  # a short row sorts only itself
     dev = x2.device
-    if V > ROW_BLOCK_MAX and _one_launch_enabled(x2) and B * P <= _device_sms(x2):
-        sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset)
-        return
+    if V > ROW_BLOCK_MAX and _one_launch_enabled(x2):
+        fit = fit_split(B, V, _device_sms(x2))
+        if fit is not None:
+            sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=fit[0])
+            return
     # launch 1 zeroes these for launch 2 (no memset launch): per row [done programs, candidates],
     # the best packed race key per row, and the RNG offset this call uses
     cnt = torch.empty((B, 2), dtype=torch.int32, device=dev)
@@ -1400,15 +1438,28 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
 
 
 def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset,
-                      spin_cap: int = SPIN_CAP) -> None:
+                      spin_cap: int = SPIN_CAP, chunk: int | None = None) -> None:
     """``sample`` as one grid-barrier launch (``_sample_one_launch_kernel``); the caller guarantees that
-    all B * P programs are resident at once (``sample`` takes it for B * P <= SM count on a GPU, e.g.
-    one row of 128256 as 126 programs). Same chunks as the two launches, so the same candidate bound."""
+    all B * P programs are resident at once (``sample`` takes it when ``fit_split`` finds chunks with
+    B * P <= SM count on a GPU: one row of 128256 as 126 programs of 1024, 8 rows as 8 x 16 of 8192).
+
+    ``chunk``: elements per program, a power-of-2 multiple of ``_split``'s (default: that one). Each
+    program publishes the maxima of its chunk's pieces of ``_split``'s size, so the candidate bound
+    (the k-th largest piece max) is the two launches' at any chunk and top-k keeps its candidate list
+    for k up to 128 whatever the batch. Bigger chunks take 8 warps (16+ would cap the registers at
+    128, and the kernel uses 255 at 4) and the nucleus search's per-pivot sums."""
     B, V = x2.shape
-    chunk, P, PB = _split(V)
+    base, _, _ = _split(V)
+    chunk = base if chunk is None else chunk
+    if chunk % base or (chunk // base) & (chunk // base - 1):
+        raise ValueError(f"sample_one_launch: chunk {chunk} is not a power-of-2 multiple of {base}")
+    sub = chunk // base
+    P = triton.cdiv(V, chunk)
+    PB = max(2, triton.next_power_of_2(P))
     cap = min(CAP, max(16, triton.next_power_of_2(V)))
     dev = x2.device
     part = torch.empty((3, B, P), dtype=torch.float32, device=dev)
+    piece_max = torch.empty((B, P * sub), dtype=torch.float32, device=dev)
     slots = torch.empty((B, P), dtype=torch.int64, device=dev)
     cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
     cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
@@ -1418,9 +1469,10 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     has_off = isinstance(offset, torch.Tensor)
     args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
     _sample_one_launch_kernel[(B, P)](
-        x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), slots, out, *args,
+        x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), piece_max, slots, out, *args,
         offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0), pivots[0], pivots[1].view(torch.int32),
         round_barriers, round_barriers.stride(0), barrier, count, cand_z, cand_i, spin_cap, **flags,
-        OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, CAP=cap, KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
+        OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, SUB=sub, QB=max(2, triton.next_power_of_2(P * sub)), CAP=cap,
+        KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
         SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, NB=NUCLEUS_PIVOTS, ROUNDS=NUCLEUS_ROUNDS,
-        LD_POLL=dev.type == "cuda", num_warps=_warps(chunk) * 2, **pdl_options(dev))
+        LD_POLL=dev.type == "cuda", num_warps=_warps(base) * 2 if sub == 1 else 8, **pdl_options(dev))

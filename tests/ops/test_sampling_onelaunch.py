@@ -460,6 +460,26 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
     _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
 
 
+@pytest.mark.parametrize("mix", [dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.0), SAMPLE_MIXES[1],
+                                 SAMPLE_MIXES[2], SAMPLE_MIXES[3]])
+def test_sample_one_launch_bigger_chunks_equal_two_launches_interpreter(interpreter, mix):
+    """Few-row batches take chunks of several 1024 pieces (``fit_split``; here 4096 = 4 pieces, 5
+    programs a row): each program publishes its pieces' maxima, so the candidate bound, the list and
+    the token are the two launches' (1024-element chunks) for the same seed and offset."""
+    k = _k()
+    x = torch.randn(2, 20000) * 3
+    x[1, :19000] = -math.inf
+    two = poisoned((2,), torch.int64, "cpu")
+    k.sample(x, two, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 3)
+    one = poisoned((2,), torch.int64, "cpu")
+    k.sample_one_launch(x, one, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 3, spin_cap=2,
+                        chunk=4096)
+    assert torch.equal(one, two)
+    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+    with pytest.raises(ValueError, match="chunk 3072"):
+        k.sample_one_launch(x, one, 1.0, 0, 1.0, 0.0, 5, 3, chunk=3072)
+
+
 def _nucleus_rows():
     """[3, 5000] rows (5 programs each) for the top-p-alone search: a flat row whose nucleus (thousands
     of values) takes several rounds and the race of the values above the bracket, integer logits (ties at
@@ -693,3 +713,36 @@ def test_gpu_nucleus_search_chi_square_graph_replays(cuda):
     counts = torch.cat([counts[~small], counts[small].sum().view(1)])
     probs = torch.cat([probs[~small], probs[small].sum().view(1)])
     assert chi2_pvalue(counts, probs) > P_FAIL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [2, 8, 16])
+def test_gpu_sample_few_rows_one_launch_equals_two_launches(cuda, monkeypatch, B):
+    """2-16 rows of 128256 take one launch with bigger chunks (fit_split: 8 rows -> 16 programs of
+    8192 a row) and per-row parameters (greedy, min-p, top-k up to 100 with and without top-p, top-p
+    alone); every row draws the two launches' token for the same seeds and offset."""
+    k = _k()
+    calls = _count_wave_launches(monkeypatch, k, "sample_one_launch")
+    V = 128256
+    g = torch.Generator().manual_seed(B)
+    mixes = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.1), (0.7, 50, 0.9, 0.0), (0.9, 100, 1.0, 0.0),
+             (0.7, 0, 0.9, 0.0), (1.2, 0, 0.5, 0.02), (0.8, 20, 1.0, 0.05), (1.0, 0, 0.99, 0.0)]
+    rows = [mixes[i % len(mixes)] for i in range(B)]
+    T, K, Pp, MP = (torch.tensor([r[j] for r in rows], device=cuda) for j in range(4))
+    seed = torch.arange(B, device=cuda) + 3
+    for i in range(8):
+        x = (torch.randn(B, V, generator=g) * (1 + i % 4)).to(cuda)
+        if i % 3 == 0:
+            x[0, : V // 2] = -math.inf
+        off = torch.full((1,), i, dtype=torch.int64, device=cuda)
+        one = ember.ops.sample(x, temperature=T, top_k=K.long(), top_p=Pp, min_p=MP, seed=seed, offset=off.clone())
+        monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
+        two = ember.ops.sample(x, temperature=T, top_k=K.long(), top_p=Pp, min_p=MP, seed=seed, offset=off.clone())
+        monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
+        assert torch.equal(one, two), (i, one, two)
+        probs = S.sampling_probs_reference(x, T, K.long(), Pp, MP)
+        assert bool((probs[torch.arange(B), one.cpu()] > 0).all())
+    assert len(calls) == 8
+    torch.cuda.synchronize()
+    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    assert k.barrier_give_ups(x.device) == 0

@@ -494,13 +494,13 @@ def _nucleus_rows():
     return x
 
 
-@pytest.mark.parametrize("top_p", [0.5, 0.95])
-def test_sample_one_launch_nucleus_search_equals_two_launches_interpreter(interpreter, top_p):
+def test_sample_one_launch_nucleus_search_equals_two_launches_interpreter(interpreter):
     """The distributed nucleus search (rounds of pivot masses, the bracket's values listed, the values
     above it raced by their programs) draws the two launches' token (their candidate list or exact
     bisection) for the same seed and offset, on rows that need several rounds, ties and the fallback."""
     k = _k()
     x = _nucleus_rows()
+    top_p = 0.9
     for offset in (0, 2, 3):   # 2 and 3: the tie row's winner is in the tie, 0: above it
         two = poisoned((3,), torch.int64, "cpu")
         k.sample(x, two, 1.0, 0, top_p, 0.0, 9, offset)

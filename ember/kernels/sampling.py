@@ -841,8 +841,8 @@ def _nucleus_bracket(z, e, xrow, V, t1, M, Z0, p, row, c, P, pg_ptr, pn_ptr, rou
     the row's barrier, and sums the P partials: the same sums in the same order in every program,
     so all take the same bracket: [q_j, q_{j-1}) for the first pivot with G(q_j) >= p * Z. Rounds
     stop once the bracket holds <= CAP values. Round 0 spreads the pivots from the row max down to
-    M + log((1 - p) * Z0 / V) - 1, Z0 the row statistics' mass (every value below it together has
-    < (1 - p) of the mass; Z0 is the same in every program, also in one that recomputed it).
+    M + log((1 - p) * Z0' / V) - 1, Z0' the row statistics' mass floored to a power of 2 (every value
+    below it together has < (1 - p) of the mass).
     A program that gives up waiting stores every chunk's partials itself (the values its siblings
     store: same code on the same data) and goes on, counted in ``bar_ptr[1]``.
     Returns (lo, hi, mass of the values >= hi, Z, values in the bracket).
@@ -856,7 +856,10 @@ def _nucleus_bracket(z, e, xrow, V, t1, M, Z0, p, row, c, P, pg_ptr, pn_ptr, rou
     Z = fzero
     n_hi = (c * 0).to(tl.int32)
     n_br = n_hi + CAP + 1
-    a0 = tl.maximum(M + tl.log((1.0 - p) * Z0 / V.to(tl.float32)) - 1.0, M - 40.0)
+    # log Z0 floored to a whole power of 2: a looser bound, but the same in a program that recomputed Z0
+    # from the row (a sum in another order) unless Z0 sits within rounding of a power of 2
+    a0 = tl.maximum(M + tl.log((1.0 - p) / V.to(tl.float32)) + tl.floor(tl.log2(Z0)) * 0.6931471805599453 - 1.0,
+                    M - 40.0)
     r = 0
     while (r < ROUNDS) & (n_br > CAP):
         a = tl.where(lo > -float("inf"), lo, a0)

@@ -796,7 +796,8 @@ def _pivot_partials(z, e, a, b, lo, NB: tl.constexpr, PER_PIVOT: tl.constexpr):
     """(pivots q, mass, count): per pivot q_j (``_pivot``) the mass (sum of e) and the count of this
     block's finite values z >= q_j, as one [CHUNK, NB] block and two sums over it. H200, inside the
     one-launch sampler: 13.7-23.9 us a call at NB = 8 vs 15.0-27.3 with two sums per pivot (the
-    sampler is at 255 registers; bench/results/h200/nucleus_probe.json, pivot_partials_probe.json).
+    sampler is at 255 registers; bench/results/h200/raw/nucleus_probe_partials_modes_2026-12-01.json,
+    pivot_partials_probe.json).
     PER_PIVOT (chunks of several 1024 pieces, where the block would be NB times the chunk in
     registers): two sums per pivot."""
     j = tl.arange(0, NB)

@@ -954,7 +954,10 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
     low), put back to 0 by the row's last program; the min-p race combines per-program slots
     (``slot``) instead of an ``atomic_max`` on one. With candidates only the programs holding some
     take part after the barrier (H200 [1, 128256] k 50: ~50 of 126), so the row's two atomics see
-    fewer contenders.
+    fewer contenders. Top-p alone takes the nucleus search (``_nucleus_bracket``: rounds behind
+    per-round row barriers, then every program arrives once; the values above the bracket race in
+    the per-program slots, the bracket's values in the list). A chunk of SUB pieces (few rows with
+    grown chunks) publishes each piece's max (``ms``), so the top-k bound is taken over the pieces.
     The RNG offset is read by every program before the barrier and advanced by program (0, 0) after
     it. A program that gives up waiting recomputes its row's statistics from the whole row (exact,
     counted in ``bar_ptr[1]``); under Triton's interpreter, where programs run one after another,

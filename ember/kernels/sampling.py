@@ -715,6 +715,20 @@ def _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, mass_above, se
 
 
 @triton.jit
+def _race_list(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, mass_above, seed, off, CAP: tl.constexpr,
+               SMALL_SORT: tl.constexpr):
+    """``_race_block`` over the row's n <= CAP listed candidates, sorted as a SMALL_SORT block when they
+    fit (H200: the last program's selection 3.8 us with a 512 sort)."""
+    if n <= SMALL_SORT:
+        won, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, mass_above, seed, off, CAP,
+                                     SMALL_SORT)
+    else:
+        won, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, mass_above, seed, off, CAP,
+                                     CAP)
+    return won, cand_mass
+
+
+@triton.jit
 def _token(packed):
     """The token of a packed race winner (``_pack``)."""
     return (0x7FFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32)
@@ -723,15 +737,10 @@ def _token(packed):
 @triton.jit
 def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr, seed, off,
                      CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr):
-    """The row's token from its n candidates (every value >= L): sort them (a SMALL_SORT block when
-    they fit: H200, the last program's selection 3.8 us with a 512 sort), read tau_k and tau_p off
-    the sorted prefix sums, race the survivors; the exact bisection over the row when the list
-    overflowed or cannot decide top-p."""
-    if n <= SMALL_SORT:
-        won, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, 0.0, seed, off, CAP,
-                                     SMALL_SORT)
-    else:
-        won, cand_mass = _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, 0.0, seed, off, CAP, CAP)
+    """The row's token from its n candidates (every value >= L): sort them (``_race_list``), read
+    tau_k and tau_p off the sorted prefix sums, race the survivors; the exact bisection over the row
+    when the list overflowed or cannot decide top-p."""
+    won, cand_mass = _race_list(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, 0.0, seed, off, CAP, SMALL_SORT)
     tok = _token(won)
     # top-k: the candidates hold every value >= L <= tau_k. top-p alone: they hold all the mass
     # above L, so the nucleus is decided iff that mass reaches p
@@ -993,11 +1002,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
     gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)
     tl.debug_barrier()
     M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")
-    iq = tl.arange(0, QB)
-    piece_max = tl.load(ms_ptr + row * P * SUB + iq, mask=iq < P * SUB, other=-float("inf"), cache_modifier=".cg")
     if gave_up:  # the whole row from HBM (slow, exact, counted)
         M, Z, first_max, chunk_max = _row_stats_exact(xrow, V, t1, P, CHUNK, PB)
-        piece_max = _piece_maxima_exact(xrow, V, t1, P * SUB, CHUNK // SUB, QB)
         tl.atomic_add(bar_ptr + 1, 1)
     else:
         first_max = tl.load(a_ptr + row * P + first_chunk, cache_modifier=".cg", mask=t == 0.0, other=0)
@@ -1039,12 +1045,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
             won = tl.max(tl.load(slot_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"), axis=0)
             bracketed = searched & (listed <= CAP)
             if bracketed:
-                if listed <= SMALL_SORT:
-                    cw, cm = _race_block(cand_z_ptr, cand_i_ptr, listed, row, 0, p, minp, M, Zn, g_hi, seed, off, CAP,
-                                         SMALL_SORT)
-                else:
-                    cw, cm = _race_block(cand_z_ptr, cand_i_ptr, listed, row, 0, p, minp, M, Zn, g_hi, seed, off, CAP,
-                                         CAP)
+                cw, cm = _race_list(cand_z_ptr, cand_i_ptr, listed, row, 0, p, minp, M, Zn, g_hi, seed, off, CAP,
+                                    SMALL_SORT)
                 won = tl.maximum(won, cw)
             # no bracket within ROUNDS (ties wider than CAP), or no survivor (a rounding at a bracket
             # edge): the exact bisection over the row
@@ -1055,6 +1057,12 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
             tl.store(out_ptr + row, tok.to(tl.int64))
             tl.store(cnt_ptr + row, 0)
     else:
+        iq = tl.arange(0, QB)
+        if gave_up:
+            piece_max = _piece_maxima_exact(xrow, V, t1, P * SUB, CHUNK // SUB, QB)
+        else:
+            piece_max = tl.load(ms_ptr + row * P * SUB + iq, mask=iq < P * SUB, other=-float("inf"),
+                                cache_modifier=".cg")
         L = _candidate_bound(piece_max, k, p, P * SUB, V, QB, CAP, KC)
         # only the programs holding candidates (chunk max >= L) append and arrive, each with two
         # atomics on the row's counter: + its candidate count (the low 32 bits reserve its slots),

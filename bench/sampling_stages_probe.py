@@ -9,7 +9,12 @@
 2. A/B: graph-timed [1, 128256] fp32 sampling per EMBER_SAMPLING_SMALL_SORT (512: always the CAP sort) and mix,
    tokens checked equal between the settings for the same seed and offset.
 
-    python bench/sampling_stages_probe.py [out.json]
+    python bench/sampling_stages_probe.py [out.json] [sampling_module.py]
+
+The text patches match the kernel as it was before its per-row body moved into ``_sample_row`` (for
+the persistent many-row waves): pass that version as the second argument,
+``git show 1a33003:ember/kernels/sampling.py > sampling_1a33003.py``. Stage costs are per row and the
+row body is unchanged since, so they still describe the current kernel.
 """
 from __future__ import annotations
 
@@ -46,9 +51,9 @@ def _stamp(ptr, i, c):
 '''
 
 
-def _stamped_module():
-    """ember/kernels/sampling.py with stamps in the one-launch sampler (text patches, checked)."""
-    src = Path(ks.__file__).read_text()
+def _stamped_module(source: str | None = None):
+    """ember/kernels/sampling.py (or ``source``) with stamps in the one-launch sampler (text patches, checked)."""
+    src = Path(source or ks.__file__).read_text()
     head, kern = src.split("def _sample_one_launch_kernel(", 1)
     kern, tail = kern.split("# ----------------------------------------------------------------------------- launch helpers", 1)
     patches = [
@@ -150,8 +155,8 @@ def ab(mix: dict, caps=(512, 128, 64)) -> dict:
     return res
 
 
-def main(path: str | None = None) -> dict:
-    mod = _stamped_module()
+def main(path: str | None = None, source: str | None = None) -> dict:
+    mod = _stamped_module(source)
     out = {"ab": {}, "stages": {}}
     for name, mix in MIXES.items():
         out["ab"][name] = ab(mix)
@@ -188,4 +193,4 @@ def main(path: str | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    main(sys.argv[1] if len(sys.argv) > 1 else None, sys.argv[2] if len(sys.argv) > 2 else None)

@@ -36,7 +36,9 @@ Two shapes of work:
 Sampling (``sample``; the semantics are ember/ops/sampling.py's float64 reference) is the same two
 launches, or for few rows (B * P <= SM count with chunks grown by ``fit_split``, GPU; up to 16 rows of
 128256) both in one (``_sample_one_launch_kernel``: grid barrier between them; H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9: 8.3 us (two launches: 11.6, measured
-before the small sort), temperature alone 6.7 us).
+before the small sort), temperature alone 6.7 us). More rows take the same kernel as one persistent
+launch walking the rows in waves behind per-row barriers (``wave_rows_plan``) when some row may need
+top-p alone (``_waves_pay``), the two launches otherwise.
 Launch 2 draws with an exponential race (Gumbel-max): token ``argmax(z - log(-log u))``
 over the surviving tokens, ``u`` from Philox keyed on (seed, token, row, offset), so no sort and no
 cumulative sum over the row. The survivors are ``{z >= tau}`` for one threshold tau:
@@ -56,7 +58,8 @@ cumulative sum over the row. The survivors are ``{z >= tau}`` for one threshold 
     reaches below L; one launch: ties wider than CAP at the threshold), the last program falls
     back to an exact bisection on the order-preserving integer key of z with passes over the row:
     same distribution, but slow (H200 [1, 128256], top-p 0.9 alone on N(0, 4.3^2) logits, a
-    ~400-token nucleus: 0.7 ms). Many rows (two launches) still take it for a wide nucleus.
+    ~400-token nucleus: 0.7 ms). Many rows in two launches (parameters that rule out top-p alone
+    for every row) take it only for top-k above the chunk count.
 Where the one-launch sampler's time goes (H200 [1, 128256] T 0.7 / top-k 50 / top-p 0.9, 8.3 us;
 ``bench/sampling_stages_probe.py`` stamps each stage; sampling_stages_probe.json): chunk statistics
 1.0 us, grid barrier 1.0, row statistics 0.7, candidate bound (sort of the 126 chunk maxima) 1.1,
@@ -90,6 +93,7 @@ NUCLEUS_ROUNDS = 6        # rounds before the bisection fallback (each narrows t
 FALLBACK_BLOCK = 4096     # elements per step of the bisection fallback's passes over the row:
                           # H200, top-p alone at [1, 128256]: 721 vs 1534 us with 1024 (8192 spills)
 RESERVE_SEM = "relaxed"    # one-launch sampler: the candidate-slot reservation atomic (A/B: "acq_rel")
+WAVE_ROWS = 8             # more rows than fit at once: waves of the chunks that fit this many rows
 TWO_LAUNCH_FALLBACK_BLOCK = 1024  # many rows: 4096 takes 207 registers, halves the programs per SM
                                   # (H200 [64, 128256] k 50 / p 0.9: 145.6 vs 91.8 us; the
                                   # 145.6 run's JSON was not kept: raw/README.md)
@@ -941,47 +945,21 @@ def _piece_maxima_exact(xrow, V, t, n_pieces, PIECE: tl.constexpr, QB: tl.conste
     return pm
 
 
-@triton.jit(do_not_specialize=["t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar", "offset_scalar",
-                               "spin_cap"])
-def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,
-                              t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
-                              seed_ptr, seed_scalar, offset_ptr, offset_scalar, pg_ptr, pn_ptr, round_bar_ptr,
-                              round_bar_stride, bar_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, spin_cap,
-                              T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
-                              MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
-                              CHUNK: tl.constexpr, PB: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
-                              CAP: tl.constexpr, KC: tl.constexpr,
-                              FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr,
-                              RESERVE_SEM: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
-                              LD_POLL: tl.constexpr = False,
-                              PDL: tl.constexpr = False):
-    """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
-    resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
-    meets the others at the grid barrier, and goes on from the chunk it still holds in registers.
-    Finishing a row is the last-to-arrive pattern on the persistent workspace: per row one counter
-    (``cnt``: arrivals; with candidates, arrivals in the high 32 bits and the candidate count in the
-    low), put back to 0 by the row's last program; the min-p race combines per-program slots
-    (``slot``) instead of an ``atomic_max`` on one. With candidates only the programs holding some
-    take part after the barrier (H200 [1, 128256] k 50: ~50 of 126), so the row's two atomics see
-    fewer contenders. Top-p alone takes the nucleus search (``_nucleus_bracket``: rounds behind
-    per-round row barriers, then every program arrives once; the values above the bracket race in
-    the per-program slots, the bracket's values in the list). A chunk of SUB pieces (few rows with
-    grown chunks) publishes each piece's max (``ms``), so the top-k bound is taken over the pieces.
-    The RNG offset is read by every program before the barrier and advanced by program (0, 0) after
-    it. A program that gives up waiting recomputes its row's statistics from the whole row (exact,
-    counted in ``bar_ptr[1]``); under Triton's interpreter, where programs run one after another,
-    program (0, 0) then advances the offset before the others read it: still exact in distribution.
-    """
-    pdl_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
+@triton.jit
+def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,
+                t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar, seed_ptr, seed_scalar,
+                offset_ptr, pg_ptr, pn_ptr, round_bar_ptr, round_bar_stride, row_bar_ptr, bar_ptr, cnt_ptr,
+                cand_z_ptr, cand_i_ptr, spin_cap,
+                T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
+                MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
+                CHUNK: tl.constexpr, PB: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
+                CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr,
+                RESERVE_SEM: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr, WAVES: tl.constexpr,
+                LD_POLL: tl.constexpr):
+    """Program c's part of row ``row`` in ``_sample_one_launch_kernel`` (its docstring)."""
     t, k, p, minp, seed = _row_sampling_params(t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
                                                seed_ptr, seed_scalar, row, V, T_PER_ROW, K_PER_ROW, P_PER_ROW,
                                                MP_PER_ROW, SEED_MODE)
-    if OFFSET_TENSOR:
-        off = tl.load(offset_ptr)
-    else:
-        off = tl.cast(offset_scalar, tl.int64)
     t1 = tl.where(t == 0.0, 1.0, t)  # greedy rows: z = x
     cols = c * CHUNK + tl.arange(0, CHUNK)
     inb = cols < V
@@ -997,9 +975,14 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
         tl.store(ms_ptr + (row * P + c) * SUB + tl.arange(0, SUB), tl.max(tl.reshape(z, [SUB, CHUNK // SUB]), axis=1))
     tl.debug_barrier()  # every thread's stores precede the release below
     first_prog = (row == 0) & (c == 0)
-    add = tl.where(first_prog, BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
-    v = tl.atomic_add(bar_ptr, add, sem="acq_rel", scope="gpu")
-    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)
+    if WAVES:  # the row's own barrier: its P programs, all resident
+        bar_at = row_bar_ptr + row
+        add = tl.where(c == 0, BARRIER_GEN - (P - 1), 1).to(tl.int64)
+    else:      # the grid barrier
+        bar_at = bar_ptr
+        add = tl.where(first_prog, BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
+    v = tl.atomic_add(bar_at, add, sem="acq_rel", scope="gpu")
+    gave_up = _barrier_wait(bar_at, v, add, spin_cap, LD_POLL)
     tl.debug_barrier()
     M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")
     if gave_up:  # the whole row from HBM (slow, exact, counted)
@@ -1007,8 +990,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
         tl.atomic_add(bar_ptr + 1, 1)
     else:
         first_max = tl.load(a_ptr + row * P + first_chunk, cache_modifier=".cg", mask=t == 0.0, other=0)
-    if OFFSET_TENSOR:
-        if first_prog:  # every program read it before arriving at the barrier
+    if OFFSET_TENSOR & (not WAVES):
+        if first_prog:  # every program read it before arriving at the grid barrier
             tl.store(offset_ptr, off + 1)
     if t == 0.0:  # greedy row: the first index of the max logit
         if c == 0:
@@ -1086,6 +1069,74 @@ def _sample_one_launch_kernel(x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a
                                    seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
             tl.store(cnt_ptr + row, 0)
             tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+
+
+@triton.jit(do_not_specialize=["B", "G", "t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar",
+                               "offset_scalar", "spin_cap"])
+def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,
+                              t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
+                              seed_ptr, seed_scalar, offset_ptr, offset_scalar, pg_ptr, pn_ptr, round_bar_ptr,
+                              round_bar_stride, row_bar_ptr, bar_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, spin_cap,
+                              T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
+                              MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_TENSOR: tl.constexpr,
+                              CHUNK: tl.constexpr, PB: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
+                              CAP: tl.constexpr, KC: tl.constexpr,
+                              FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr,
+                              RESERVE_SEM: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
+                              WAVES: tl.constexpr = False, LD_POLL: tl.constexpr = False,
+                              PDL: tl.constexpr = False):
+    """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
+    resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
+    meets the others at the grid barrier, and goes on from the chunk it still holds in registers.
+    Finishing a row is the last-to-arrive pattern on the persistent workspace: per row one counter
+    (``cnt``: arrivals; with candidates, arrivals in the high 32 bits and the candidate count in the
+    low), put back to 0 by the row's last program; the min-p race combines per-program slots
+    (``slot``) instead of an ``atomic_max`` on one. With candidates only the programs holding some
+    take part after the barrier (H200 [1, 128256] k 50: ~50 of 126), so the row's two atomics see
+    fewer contenders. Top-p alone takes the nucleus search (``_nucleus_bracket``: rounds behind
+    per-round row barriers, then every program arrives once; the values above the bracket race in
+    the per-program slots, the bracket's values in the list). A chunk of SUB pieces (few rows with
+    grown chunks) publishes each piece's max (``ms``), so the top-k bound is taken over the pieces.
+    The RNG offset is read by every program before the barrier and advanced by program (0, 0) after
+    it. A program that gives up waiting recomputes its row's statistics from the whole row (exact,
+    counted in ``bar_ptr[1]``); under Triton's interpreter, where programs run one after another,
+    program (0, 0) then advances the offset before the others read it: still exact in distribution.
+
+    WAVES (more rows than fit at once): the grid is G rows x P programs, all resident; program (g, c)
+    takes chunk c of rows g, g + G, g + 2G, ..., each behind that row's own barrier (row_bar_ptr, as
+    ``_softmax_waves_kernel``) instead of the grid barrier. Every program reads the RNG offset first
+    and then arrives at the grid counter; the last to arrive advances the offset.
+    """
+    pdl_start(PDL)
+    g = tl.program_id(0)
+    c = tl.program_id(1)
+    if OFFSET_TENSOR:
+        off = tl.load(offset_ptr)
+    else:
+        off = tl.cast(offset_scalar, tl.int64)
+    if WAVES:
+        if OFFSET_TENSOR:
+            tl.debug_barrier()  # every thread has read the offset before the arrival below
+            add = tl.where((g == 0) & (c == 0), BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
+            v = tl.atomic_add(bar_ptr, add, sem="acq_rel", scope="gpu")
+            if (v + add) % BARRIER_GEN == 0:  # the last reader
+                tl.store(offset_ptr, off + 1)
+        for i in range(0, (B - g + G - 1) // G):
+            _sample_row((g + i * G).to(tl.int64), c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr,
+                        ms_ptr, slot_ptr, out_ptr, t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr,
+                        mp_scalar, seed_ptr, seed_scalar, offset_ptr, pg_ptr, pn_ptr, round_bar_ptr,
+                        round_bar_stride, row_bar_ptr, bar_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, spin_cap,
+                        T_PER_ROW, K_PER_ROW, P_PER_ROW, MP_PER_ROW, SEED_MODE, OFFSET_TENSOR, CHUNK, PB, SUB, QB,
+                        CAP, KC, FALLBACK_BLOCK, SMALL_SORT, RESERVE_SEM, NB, ROUNDS, True, LD_POLL)
+    else:
+        _sample_row(g.to(tl.int64), c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr,
+                    slot_ptr, out_ptr, t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar,
+                    seed_ptr, seed_scalar, offset_ptr, pg_ptr, pn_ptr, round_bar_ptr, round_bar_stride,
+                    row_bar_ptr, bar_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, spin_cap, T_PER_ROW, K_PER_ROW,
+                    P_PER_ROW, MP_PER_ROW, SEED_MODE, OFFSET_TENSOR, CHUNK, PB, SUB, QB, CAP, KC, FALLBACK_BLOCK,
+                    SMALL_SORT, RESERVE_SEM, NB, ROUNDS, False, LD_POLL)
 
 
 # ----------------------------------------------------------------------------- launch helpers
@@ -1418,6 +1469,20 @@ def small_sort() -> int:
     return v
 
 
+def _waves_pay(temperature, top_k, top_p) -> bool:
+    """Whether rows beyond what one launch fits take the persistent waves (``EMBER_SAMPLE_WAVES=1|0``
+    forces it): unless the scalar parameters rule out top-p alone. H200, [32, 128256]
+    (many_rows_sample_probe.json): top-p alone 175 vs 1761 us for the two launches (whose row's
+    last program bisects a wide nucleus alone), but k50 + p0.9 59 vs 51 us and greedy 23 vs 14:
+    per-row tensors (unknown to the host) take the waves, the cheaper miss."""
+    env = os.environ.get("EMBER_SAMPLE_WAVES")
+    if env is not None:
+        return env != "0"
+    scalar = lambda v: not isinstance(v, torch.Tensor)  # noqa: E731
+    return not ((scalar(temperature) and temperature == 0.0) or (scalar(top_k) and top_k > 0)
+                or (scalar(top_p) and top_p >= 1.0))
+
+
 def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset) -> None:
     """One token per row into int64 ``out``; parameters are Python scalars or per-row tensors (validated).
 
@@ -1432,6 +1497,11 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
         fit = fit_split(B, V, _device_sms(x2))
         if fit is not None:
             sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=fit[0])
+            return
+        plan = wave_rows_plan(B, V, _device_sms(x2)) if _waves_pay(temperature, top_k, top_p) else None
+        if plan is not None:
+            sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=plan[0],
+                              rows_per_wave=plan[1])
             return
     # launch 1 zeroes these for launch 2 (no memset launch): per row [done programs, candidates],
     # the best packed race key per row, and the RNG offset this call uses
@@ -1452,8 +1522,18 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
         **pdl_options(x2.device))
 
 
+def wave_rows_plan(B: int, V: int, sms: int) -> tuple[int, int] | None:
+    """(chunk, rows per wave) for sampling more rows than ``fit_split`` fits at once: the chunks of a
+    WAVE_ROWS-row one-launch (fewer rows if V is too long for that), as many rows a wave as fit."""
+    for rows in (WAVE_ROWS, 4, 2, 1):
+        fit = fit_split(rows, V, sms)
+        if fit is not None:
+            return fit[0], min(B, sms // fit[1])
+    return None
+
+
 def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset,
-                      spin_cap: int = SPIN_CAP, chunk: int | None = None) -> None:
+                      spin_cap: int = SPIN_CAP, chunk: int | None = None, rows_per_wave: int | None = None) -> None:
     """``sample`` as one grid-barrier launch (``_sample_one_launch_kernel``); the caller guarantees that
     all B * P programs are resident at once (``sample`` takes it when ``fit_split`` finds chunks with
     B * P <= SM count on a GPU: one row of 128256 as 126 programs of 1024, 8 rows as 8 x 16 of 8192).
@@ -1462,8 +1542,12 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     program publishes the maxima of its chunk's pieces of ``_split``'s size, so the candidate bound
     (the k-th largest piece max) is the two launches' at any chunk and top-k keeps its candidate list
     for k up to 128 whatever the batch. Bigger chunks take 8 warps (16+ would cap the registers at
-    128, and the kernel uses 255 at 4) and the nucleus search's per-pivot sums."""
+    128, and the kernel uses 255 at 4) and the nucleus search's per-pivot sums.
+
+    ``rows_per_wave`` (G < B): a persistent launch of G x P programs (G * P <= SM count) that walks the
+    rows in waves (``sample`` takes it past what ``fit_split`` fits, with ``wave_rows_plan``)."""
     B, V = x2.shape
+    G = B if rows_per_wave is None else min(rows_per_wave, B)
     base, _, _ = _split(V)
     chunk = base if chunk is None else chunk
     if chunk % base or (chunk // base) & (chunk // base - 1):
@@ -1483,10 +1567,11 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     round_barriers = row_barriers[1:]
     has_off = isinstance(offset, torch.Tensor)
     args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
-    _sample_one_launch_kernel[(B, P)](
-        x2, x2.stride(0), V, P, B * P, part[0], part[1], part[2].view(torch.int32), piece_max, slots, out, *args,
-        offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0), pivots[0], pivots[1].view(torch.int32),
-        round_barriers, round_barriers.stride(0), barrier, count, cand_z, cand_i, spin_cap, **flags,
+    _sample_one_launch_kernel[(G, P)](
+        x2, x2.stride(0), B, G, V, P, G * P, part[0], part[1], part[2].view(torch.int32), piece_max, slots, out,
+        *args, offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0), pivots[0],
+        pivots[1].view(torch.int32), round_barriers, round_barriers.stride(0), row_barriers[0], barrier, count,
+        cand_z, cand_i, spin_cap, **flags, WAVES=G < B,
         OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, SUB=sub, QB=max(2, triton.next_power_of_2(P * sub)), CAP=cap,
         KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
         SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, NB=NUCLEUS_PIVOTS, ROUNDS=NUCLEUS_ROUNDS,

@@ -192,6 +192,23 @@ def test_kernel_fallback_path_interpreter(interpreter):
     assert bool((probs[torch.arange(2), tok] > 0).all())
 
 
+def test_kernel_fallback_draws_cover_the_support_interpreter(interpreter):
+    """Thresholds decided by the fallback bisection: a 1600-wide row is 2 chunk programs, top-k 3 is
+    above that, and for top-p alone the 576 values above the low chunk's max overflow the candidate
+    list. 4 leading values hold 59% of the mass; over 30 draws every token of the 3-token support
+    shows up (each has p > 0.29: missed with probability < 1e-4; seeds fixed) and nothing outside it."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 1600, generator=g)
+    x[0, :1024] -= 20.0
+    x[0, [1100, 1300, 1500, 1580]] = torch.tensor([6.0, 5.9, 5.8, 5.7])
+    for mix in (dict(top_k=3), dict(top_p=0.4)):
+        probs = S.sampling_probs_reference(x, **mix)[0]
+        support = set(probs.nonzero().flatten().tolist())
+        assert len(support) == 3 and probs[probs > 0].min() > 0.29, (mix, probs[probs > 0])
+        tok = ember.ops.sample(x.expand(30, 1600).contiguous(), **mix, seed=31)
+        assert set(tok.tolist()) == support, mix
+
+
 def test_seed_offset_reproducible_and_advancing_interpreter(interpreter):
     x = torch.randn(8, 30)
     off = torch.zeros(1, dtype=torch.int64)

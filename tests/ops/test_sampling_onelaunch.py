@@ -480,6 +480,51 @@ def test_sample_one_launch_bigger_chunks_equal_two_launches_interpreter(interpre
         k.sample_one_launch(x, one, 1.0, 0, 1.0, 0.0, 5, 3, chunk=3072)
 
 
+@pytest.mark.parametrize("mix", SAMPLE_MIXES)
+def test_sample_waves_equal_two_launches_interpreter(interpreter, mix):
+    """More rows than fit at once: one persistent launch of 2 rows x 5 programs walks 5 rows in 3
+    waves behind per-row barriers (chunks of 4 pieces), and draws the two launches' tokens for the
+    same seed and offset; a tensor offset advances once, read by every program before that."""
+    k = _k()
+    x = torch.randn(5, 20000) * 3
+    x[1, :19000] = -math.inf
+    x[3] = (x[3] * 2).round()                        # ties at every pivot
+    two = poisoned((5,), torch.int64, "cpu")
+    off_two = torch.full((1,), 3, dtype=torch.int64)
+    k.sample(x, two, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, off_two)
+    one = poisoned((5,), torch.int64, "cpu")
+    off_one = torch.full((1,), 3, dtype=torch.int64)
+    k.sample_one_launch(x, one, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, off_one,
+                        spin_cap=2, chunk=4096, rows_per_wave=2)
+    assert torch.equal(one, two)
+    assert int(off_one) == int(off_two) == 4
+    probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
+    assert bool((probs[torch.arange(5), one] > 0).all())
+    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+
+
+def test_wave_rows_plan():
+    k = _k()
+    assert k.wave_rows_plan(64, 128256, 132) == (8192, 8)     # 16 programs a row, 8 rows a wave
+    assert k.wave_rows_plan(5, 128256, 132) == (8192, 5)
+    assert k.wave_rows_plan(64, 1 << 20, 132) == (16384, 2)   # 64 programs a row
+    assert k.wave_rows_plan(64, 1 << 20, 32) is None
+
+
+def test_waves_pay_unless_the_scalars_rule_out_top_p_alone(monkeypatch):
+    k = _k()
+    monkeypatch.delenv("EMBER_SAMPLE_WAVES", raising=False)
+    assert k._waves_pay(0.7, 0, 0.9)                       # top-p alone
+    assert k._waves_pay(torch.ones(3), torch.zeros(3), torch.ones(3))  # per-row tensors: unknown
+    assert not k._waves_pay(0.7, 50, 0.9)                  # every row has top-k: candidate lists
+    assert not k._waves_pay(0.0, 0, 0.9)                   # greedy
+    assert not k._waves_pay(0.7, 0, 1.0)                   # no top-p (min-p or nothing)
+    monkeypatch.setenv("EMBER_SAMPLE_WAVES", "1")
+    assert k._waves_pay(0.7, 50, 0.9)
+    monkeypatch.setenv("EMBER_SAMPLE_WAVES", "0")
+    assert not k._waves_pay(0.7, 0, 0.9)
+
+
 def _nucleus_rows():
     """[3, 5000] rows (5 programs each) for the top-p-alone search: a flat row whose nucleus (thousands
     of values) takes several rounds and the race of the values above the bracket, integer logits (ties at
@@ -716,11 +761,12 @@ def test_gpu_nucleus_search_chi_square_graph_replays(cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B", [2, 8, 16])
+@pytest.mark.parametrize("B", [2, 8, 16, 40, 130])
 def test_gpu_sample_few_rows_one_launch_equals_two_launches(cuda, monkeypatch, B):
     """2-16 rows of 128256 take one launch with bigger chunks (fit_split: 8 rows -> 16 programs of
-    8192 a row) and per-row parameters (greedy, min-p, top-k up to 100 with and without top-p, top-p
-    alone); every row draws the two launches' token for the same seeds and offset."""
+    8192 a row), more rows one persistent launch of 8 rows at a time in waves; with per-row
+    parameters (greedy, min-p, top-k up to 100 with and without top-p, top-p alone) every row draws
+    the two launches' token for the same seeds and offset."""
     k = _k()
     calls = _count_wave_launches(monkeypatch, k, "sample_one_launch")
     V = 128256

@@ -130,10 +130,12 @@ def run(ctx: BenchContext) -> list[Row]:
     rows.append(Row(f"argmax_{big}x{V}_fp32", "us", e, b, "torch.argmax", target="informational"))
     bs = 64 if not ctx.quick else 4
     small = [x[:bs] for x in data]
-    e, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, **kw, seed=seed, offset=offset, check=False) for x in small])
-    b, how = _time(ctx, [lambda x=x: hf_sample(x) for x in small])
-    rows.append(Row(f"sample_t0.7_k50_p0.9_{bs}x{V}", "us", e, b, f"HF-style torch pipeline ({how}-timed)",
-                    target="informational"))
+    for name, kwb in ((f"sample_t0.7_k50_p0.9_{bs}x{V}", dict(top_k=50, top_p=0.9)),
+                      (f"sample_t0.7_p0.9_{bs}x{V}", dict(top_k=0, top_p=0.9))):  # the persistent waves
+        e, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, temperature=0.7, **kwb, seed=seed, offset=offset, check=False)
+                           for x in small])
+        b, how = _time(ctx, [lambda x=x: hf_sample(x, **kwb) for x in small])
+        rows.append(Row(name, "us", e, b, f"HF-style torch pipeline ({how}-timed)", target="informational"))
     return rows
 
 

@@ -1469,9 +1469,9 @@ def small_sort() -> int:
     return v
 
 
-def _waves_pay(temperature, top_k, top_p) -> bool:
+def _waves_pay(temperature, top_k, top_p, V: int) -> bool:
     """Whether rows beyond what one launch fits take the persistent waves (``EMBER_SAMPLE_WAVES=1|0``
-    forces it): unless the scalar parameters rule out top-p alone. H200, [32, 128256]
+    forces it): unless the scalar parameters rule out top-p alone (top_k >= V is off). H200, [32, 128256]
     (many_rows_sample_probe.json): top-p alone 175 vs 1761 us for the two launches (whose row's
     last program bisects a wide nucleus alone), but k50 + p0.9 59 vs 51 us and greedy 23 vs 14:
     per-row tensors (unknown to the host) take the waves, the cheaper miss."""
@@ -1479,7 +1479,7 @@ def _waves_pay(temperature, top_k, top_p) -> bool:
     if env is not None:
         return env != "0"
     scalar = lambda v: not isinstance(v, torch.Tensor)  # noqa: E731
-    return not ((scalar(temperature) and temperature == 0.0) or (scalar(top_k) and top_k > 0)
+    return not ((scalar(temperature) and temperature == 0.0) or (scalar(top_k) and 0 < top_k < V)
                 or (scalar(top_p) and top_p >= 1.0))
 
 
@@ -1498,7 +1498,7 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
         if fit is not None:
             sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=fit[0])
             return
-        plan = wave_rows_plan(B, V, _device_sms(x2)) if _waves_pay(temperature, top_k, top_p) else None
+        plan = wave_rows_plan(B, V, _device_sms(x2)) if _waves_pay(temperature, top_k, top_p, V) else None
         if plan is not None:
             sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=plan[0],
                               rows_per_wave=plan[1])

@@ -514,15 +514,17 @@ def test_wave_rows_plan():
 def test_waves_pay_unless_the_scalars_rule_out_top_p_alone(monkeypatch):
     k = _k()
     monkeypatch.delenv("EMBER_SAMPLE_WAVES", raising=False)
-    assert k._waves_pay(0.7, 0, 0.9)                       # top-p alone
-    assert k._waves_pay(torch.ones(3), torch.zeros(3), torch.ones(3))  # per-row tensors: unknown
-    assert not k._waves_pay(0.7, 50, 0.9)                  # every row has top-k: candidate lists
-    assert not k._waves_pay(0.0, 0, 0.9)                   # greedy
-    assert not k._waves_pay(0.7, 0, 1.0)                   # no top-p (min-p or nothing)
+    V = 128256
+    assert k._waves_pay(0.7, 0, 0.9, V)                    # top-p alone
+    assert k._waves_pay(0.7, V, 0.9, V)                    # top-k >= V is off: top-p alone
+    assert k._waves_pay(torch.ones(3), torch.zeros(3), torch.ones(3), V)  # per-row tensors: unknown
+    assert not k._waves_pay(0.7, 50, 0.9, V)               # every row has top-k: candidate lists
+    assert not k._waves_pay(0.0, 0, 0.9, V)                # greedy
+    assert not k._waves_pay(0.7, 0, 1.0, V)                # no top-p (min-p or nothing)
     monkeypatch.setenv("EMBER_SAMPLE_WAVES", "1")
-    assert k._waves_pay(0.7, 50, 0.9)
+    assert k._waves_pay(0.7, 50, 0.9, V)
     monkeypatch.setenv("EMBER_SAMPLE_WAVES", "0")
-    assert not k._waves_pay(0.7, 0, 0.9)
+    assert not k._waves_pay(0.7, 0, 0.9, V)
 
 
 def _nucleus_rows():

@@ -1547,6 +1547,8 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     ``rows_per_wave`` (G < B): a persistent launch of G x P programs (G * P <= SM count) that walks the
     rows in waves (``sample`` takes it past what ``fit_split`` fits, with ``wave_rows_plan``)."""
     B, V = x2.shape
+    if rows_per_wave is not None and rows_per_wave < 1:
+        raise ValueError(f"sample_one_launch: rows_per_wave must be >= 1, got {rows_per_wave}")
     G = B if rows_per_wave is None else min(rows_per_wave, B)
     base, _, _ = _split(V)
     chunk = base if chunk is None else chunk

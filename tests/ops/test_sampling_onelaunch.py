@@ -498,6 +498,8 @@ def test_sample_waves_equal_two_launches_interpreter(interpreter, mix):
                         spin_cap=2, chunk=4096, rows_per_wave=2)
     assert torch.equal(one, two)
     assert int(off_one) == int(off_two) == 4
+    with pytest.raises(ValueError, match="rows_per_wave must be >= 1"):
+        k.sample_one_launch(x, one, 1.0, 0, 1.0, 0.0, 5, 3, rows_per_wave=0)
     probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
     assert bool((probs[torch.arange(5), one] > 0).all())
     _assert_workspace_clean(k._WORKSPACES[("cpu", None)])

@@ -1071,8 +1071,6 @@ def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_
             tl.store(out_ptr + row, tok.to(tl.int64))
 
 
-
-
 @triton.jit(do_not_specialize=["B", "G", "t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar",
                                "offset_scalar", "spin_cap"])
 def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,

@@ -65,6 +65,20 @@ def _sets(ctx, shape):
     return [torch.randn(shape, device=ctx.device) * 3 for _ in range(count)]
 
 
+def _sample_rows(ctx, data, seed, offset) -> list[Row]:
+    """Informational rows: T 0.7 with top-k 50 + top-p 0.9, and with top-p 0.9 alone, over ``data``'s
+    [B, V] sets, against the HF-style pipeline."""
+    B, V = data[0].shape
+    rows = []
+    for name, kw in ((f"sample_t0.7_k50_p0.9_{B}x{V}", dict(top_k=50, top_p=0.9)),
+                     (f"sample_t0.7_p0.9_{B}x{V}", dict(top_k=0, top_p=0.9))):
+        e, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, temperature=0.7, **kw, seed=seed, offset=offset, check=False)
+                           for x in data])
+        b, how = _time(ctx, [lambda x=x: hf_sample(x, **kw) for x in data])
+        rows.append(Row(name, "us", e, b, f"HF-style torch pipeline ({how}-timed)", target="informational"))
+    return rows
+
+
 def run(ctx: BenchContext) -> list[Row]:
     V = VOCAB if not ctx.quick else 4096
     big = 256 if not ctx.quick else 8
@@ -108,12 +122,7 @@ def run(ctx: BenchContext) -> list[Row]:
     ctx.progress("sample 8 rows")
     eight = 8 if not ctx.quick else 2
     data = _sets(ctx, (eight, V))
-    for name, kw8 in ((f"sample_t0.7_k50_p0.9_{eight}x{V}", dict(top_k=50, top_p=0.9)),
-                      (f"sample_t0.7_p0.9_{eight}x{V}", dict(top_k=0, top_p=0.9))):
-        e, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, temperature=0.7, **kw8, seed=seed, offset=offset, check=False)
-                           for x in data])
-        b, how = _time(ctx, [lambda x=x: hf_sample(x, **kw8) for x in data])
-        rows.append(Row(name, "us", e, b, f"HF-style torch pipeline ({how}-timed)", target="informational"))
+    rows += _sample_rows(ctx, data, seed, offset)
     del data
 
     ctx.progress("batch rows")
@@ -130,12 +139,7 @@ def run(ctx: BenchContext) -> list[Row]:
     rows.append(Row(f"argmax_{big}x{V}_fp32", "us", e, b, "torch.argmax", target="informational"))
     bs = 64 if not ctx.quick else 4
     small = [x[:bs] for x in data]
-    for name, kwb in ((f"sample_t0.7_k50_p0.9_{bs}x{V}", dict(top_k=50, top_p=0.9)),
-                      (f"sample_t0.7_p0.9_{bs}x{V}", dict(top_k=0, top_p=0.9))):  # the persistent waves
-        e, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, temperature=0.7, **kwb, seed=seed, offset=offset, check=False)
-                           for x in small])
-        b, how = _time(ctx, [lambda x=x: hf_sample(x, **kwb) for x in small])
-        rows.append(Row(name, "us", e, b, f"HF-style torch pipeline ({how}-timed)", target="informational"))
+    rows += _sample_rows(ctx, small, seed, offset)  # top-p alone: the persistent waves
     return rows
 
 

@@ -177,6 +177,12 @@ def _pack(key, idx):
 
 
 @triton.jit
+def _token(packed):
+    """The token of a packed race winner or argmax slot (``_pack``)."""
+    return (0x7FFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32)
+
+
+@triton.jit
 def _row_param(ptr, scalar, row, dtype: tl.constexpr, PER_ROW: tl.constexpr):
     if PER_ROW:
         return tl.load(ptr + row).to(dtype)
@@ -204,6 +210,14 @@ def _ld_acquire(ptr):
     that would queue behind the arrivals on the same address."""
     return tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def _arrival(first, n):
+    """What a program adds to a generation counter (barrier or last-arrival) shared by n programs:
+    BARRIER_GEN - (n - 1) for the ``first`` one, 1 for the others, so each launch adds exactly
+    BARRIER_GEN and the counter is a multiple of it between launches."""
+    return tl.where(first, BARRIER_GEN - (n - 1), 1).to(tl.int64)
 
 
 @triton.jit
@@ -295,7 +309,7 @@ def _argmax_split_kernel(x_ptr, out_ptr, stride_x, V, P, part_ptr, cnt_ptr, CHUN
         i = tl.arange(0, PB)
         packed = tl.max(tl.load(part_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"), axis=0)
         tl.store(cnt_ptr + row, 0)
-        tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
+        tl.store(out_ptr + row, _token(packed).to(tl.int64))
 
 
 @triton.jit
@@ -332,7 +346,7 @@ def _softmax_one_launch_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, n_pro
     tl.store(s_ptr + row * P + c, s)
     tl.debug_barrier()  # every thread's stores precede the release below
     first = (row == 0) & (c == 0)
-    add = tl.where(first, BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
+    add = _arrival(first, n_programs)
     v = tl.atomic_add(bar_ptr, add, sem="acq_rel", scope="gpu")
     gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)
     tl.debug_barrier()
@@ -413,7 +427,7 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
         tl.store(m_ptr + row * P + c, m)
         tl.store(s_ptr + row * P + c, s)
         tl.debug_barrier()  # every thread's stores precede the release below
-        add = tl.where(c == 0, BARRIER_GEN - (P - 1), 1).to(tl.int64)
+        add = _arrival(c == 0, P)
         v = tl.atomic_add(row_bar_ptr + row, add, sem="acq_rel", scope="gpu")
         nxt = row + R
         # past the last row: an all-false mask (written as a comparison: the interpreter mis-types
@@ -464,7 +478,7 @@ def _softmax_lagged_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_p
     cols = c * CHUNK + tl.arange(0, CHUNK)
     mask = cols < V
     n_rows = (B - r + R - 1) // R          # host guarantees R <= B, so r < B and n_rows >= 1
-    add = tl.where(c == 0, BARRIER_GEN - (P - 1), 1).to(tl.int64)
+    add = _arrival(c == 0, P)
     prev1 = add * 0  # arrival value at row i - 1's barrier
     prev2 = add * 0  # ... at row i - 2's
     for i in range(0, n_rows + LAG):
@@ -733,12 +747,6 @@ def _race_list(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, mass_above, see
 
 
 @triton.jit
-def _token(packed):
-    """The token of a packed race winner (``_pack``)."""
-    return (0x7FFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int32)
-
-
-@triton.jit
 def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr, seed, off,
                      CAP: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr):
     """The row's token from its n candidates (every value >= L): sort them (``_race_list``), read
@@ -784,7 +792,7 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
             tl.atomic_max(best_ptr + row, _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK))
             if tl.atomic_add(done_ptr, 1) == P - 1:
                 packed = tl.atomic_max(best_ptr + row, INT64_MIN)
-                tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
+                tl.store(out_ptr + row, _token(packed).to(tl.int64))
         else:
             L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
             _append_candidates(z, cols, inb, L, done_ptr + 1, cand_z_ptr, cand_i_ptr, row, CAP, False, "acq_rel")
@@ -883,7 +891,7 @@ def _nucleus_bracket(z, e, xrow, V, t1, M, Z0, p, row, c, P, pg_ptr, pn_ptr, rou
         tl.store(pg_ptr + (base + c) * NB + j, g)
         tl.store(pn_ptr + (base + c) * NB + j, n)
         tl.debug_barrier()  # the partial stores precede the release below
-        add = tl.where(c == 0, BARRIER_GEN - (P - 1), 1).to(tl.int64)
+        add = _arrival(c == 0, P)
         bar = round_bar_ptr + r * round_bar_stride + row
         v = tl.atomic_add(bar, add, sem="acq_rel", scope="gpu")
         gave_up = _barrier_wait(bar, v, add, spin_cap, LD_POLL)
@@ -977,10 +985,10 @@ def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_
     first_prog = (row == 0) & (c == 0)
     if WAVES:  # the row's own barrier: its P programs, all resident
         bar_at = row_bar_ptr + row
-        add = tl.where(c == 0, BARRIER_GEN - (P - 1), 1).to(tl.int64)
+        add = _arrival(c == 0, P)
     else:      # the grid barrier
         bar_at = bar_ptr
-        add = tl.where(first_prog, BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
+        add = _arrival(first_prog, n_programs)
     v = tl.atomic_add(bar_at, add, sem="acq_rel", scope="gpu")
     gave_up = _barrier_wait(bar_at, v, add, spin_cap, LD_POLL)
     tl.debug_barrier()
@@ -1005,7 +1013,7 @@ def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_
             packed = tl.max(tl.load(slot_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"),
                             axis=0)
             tl.store(cnt_ptr + row, 0)
-            tl.store(out_ptr + row, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
+            tl.store(out_ptr + row, _token(packed).to(tl.int64))
     elif k == 0:  # top-p alone: the distributed nucleus search (_nucleus_bracket)
         e = tl.where(z > -float("inf"), tl.exp(z - M), 0.0)
         lo, hi, g_hi, Zn, n_br = _nucleus_bracket(z, e, xrow, V, t1, M, Z, p, row, c, P, pg_ptr, pn_ptr, round_bar_ptr,
@@ -1117,7 +1125,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
     if WAVES:
         if OFFSET_TENSOR:
             tl.debug_barrier()  # every thread has read the offset before the arrival below
-            add = tl.where((g == 0) & (c == 0), BARRIER_GEN - (n_programs - 1), 1).to(tl.int64)
+            add = _arrival((g == 0) & (c == 0), n_programs)
             v = tl.atomic_add(bar_ptr, add, sem="acq_rel", scope="gpu")
             if (v + add) % BARRIER_GEN == 0:  # the last reader
                 tl.store(offset_ptr, off + 1)

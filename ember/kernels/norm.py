@@ -13,7 +13,8 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
                         stride_x, stride_res, stride_out, stride_new_res,
                         H, eps,
                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr = False,
-                        LIBDEVICE: tl.constexpr = False, PDL: tl.constexpr = False):
+                        LIBDEVICE: tl.constexpr = False, STORE_SUM: tl.constexpr = True, PDL: tl.constexpr = False):
+    """STORE_SUM=False: the residual (a bias row, stride_res 0) is only added, not stored."""
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -24,7 +25,8 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
         # Round the sum to the I/O dtype first: the residual stream carries that rounding in every
         # model we load (HF adds in bf16), and the norm must see the same value it stores.
         s = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype)
-        tl.store(new_res_ptr + row * stride_new_res + cols, s, mask=mask)
+        if STORE_SUM:
+            tl.store(new_res_ptr + row * stride_new_res + cols, s, mask=mask)
         x = s
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
@@ -78,15 +80,49 @@ def add_rmsnorm(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.
         H, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps, **pdl_options(x2.device))
 
 
-def rmsnorm_silu(x2: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-    """silu(RMSNorm) of 2-d rows into ``out`` (rows with a contiguous last dim, any row stride)."""
+def rmsnorm_silu(x2: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+    """silu(RMSNorm) of 2-d rows into ``out`` (rows with a contiguous last dim, any row stride);
+    ``bias`` (contiguous, one value per column) is added to every row first, rounded to x's dtype."""
     M, H = x2.shape
     if M == 0:
         return
     block, num_warps = _launch_config(H)  # the same as add_rmsnorm's: the same reduction order
-    _add_rmsnorm_kernel[(M,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, H, eps,
-                              HAS_RESIDUAL=False, BLOCK=block, SILU=True, LIBDEVICE=x2.device.type == "cuda",
-                              num_warps=num_warps, **pdl_options(x2.device))
+    _add_rmsnorm_kernel[(M,)](x2, bias if bias is not None else x2, weight, out, out, x2.stride(0), 0,
+                              out.stride(0), 0, H, eps, HAS_RESIDUAL=bias is not None, BLOCK=block, SILU=True,
+                              LIBDEVICE=x2.device.type == "cuda", STORE_SUM=False, num_warps=num_warps,
+                              **pdl_options(x2.device))
+
+
+@triton.jit
+def _bias_add_rows_kernel(y_ptr, b_ptr, r_ptr, M, C, stride_y, stride_r,
+                          HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y = (y + b) rounded, then + r rounded (as the two torch adds store them), in place, on a
+    [BLOCK_M, BLOCK_C] tile of [M, C] rows."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    mask = (rows < M) & (cols < C)
+    dt = y_ptr.dtype.element_ty
+    y = tl.load(y_ptr + rows * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
+    y = round_to(y + b, dt)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        y = round_to(y.to(tl.float32) + r, dt)
+    tl.store(y_ptr + rows * stride_y + cols, y, mask=mask)
+
+
+def bias_add_rows_(y2: torch.Tensor, bias: torch.Tensor, residual2: torch.Tensor | None) -> None:
+    """``y2 += bias`` (then ``+= residual2``) over [M, C] rows with contiguous last dims, in place."""
+    M, C = y2.shape
+    if M == 0:
+        return
+    block_c = min(triton.next_power_of_2(C), 1024)
+    block_m = max(1, 8192 // block_c)
+    has_r = residual2 is not None
+    _bias_add_rows_kernel[(triton.cdiv(M, block_m), triton.cdiv(C, block_c))](
+        y2, bias, residual2 if has_r else y2, M, C, y2.stride(0), residual2.stride(0) if has_r else 0,
+        HAS_RESIDUAL=has_r, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=8)
 
 
 def rmsnorm_gated(x3: torch.Tensor, z3: torch.Tensor, weight: torch.Tensor, eps: float, out3: torch.Tensor) -> None:

@@ -167,16 +167,25 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
 
 
 def rmsnorm_silu(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(rmsnorm(x, weight, eps))`` in one pass (the norm rounded to ``x.dtype`` first, as the
     two-step path stores it); returns ``out`` when given, which must have x's shape and dtype and a
     contiguous last dim (a strided view, such as a slice of a larger buffer, is fine).
+
+    ``bias`` (one value per column, x's dtype): normalise ``x + bias`` (rounded to x.dtype, as a
+    separate add stores it) without storing the sum: the previous convolution's bias, folded in
+    (the Wan VAE's conv -> norm -> SiLU chain; one pass over the activation fewer).
 
     Example:
         >>> buf = torch.empty(4, 2, 16)
         >>> y = ember.ops.norm.rmsnorm_silu(torch.randn(4, 16), torch.ones(16), out=buf[:, 1])
     """
     eps = _validate(x, None, weight, eps)
+    if bias is not None:
+        _checks.tensor("bias", bias, dtypes=(x.dtype,), ndim=1)
+        _checks.same_device(x=x, bias=bias)
+        if bias.shape[0] != x.shape[-1]:
+            raise ValueError(f"bias: expected length {x.shape[-1]} (x.shape[-1]), got {bias.shape[0]}")
     if out is not None:
         _checks.tensor("out", out, dtypes=(x.dtype,))
         _checks.same_shape(x=x, out=out)
@@ -184,7 +193,7 @@ def rmsnorm_silu(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         if out.shape[-1] > 1 and out.stride(-1) != 1:
             raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
     if _dispatch.compiling() or not _dispatch.use_triton(x):  # the two-step path (rmsnorm picks its own)
-        y = F.silu(rmsnorm(x, weight, eps))
+        y = F.silu(rmsnorm(x if bias is None else x + bias, weight, eps))
         return y if out is None else out.copy_(y)
     target = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
@@ -193,9 +202,10 @@ def rmsnorm_silu(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         except RuntimeError:
             out2 = None
         if out2 is None:  # rows of out that do not merge into one 2-d view: through a temporary
-            target.copy_(rmsnorm_silu(x, weight, eps))
+            target.copy_(rmsnorm_silu(x, weight, eps, bias=bias))
         else:
-            _dispatch.kernels("norm").rmsnorm_silu(_checks.rows_2d(x), weight.contiguous(), eps, out2)
+            _dispatch.kernels("norm").rmsnorm_silu(_checks.rows_2d(x), weight.contiguous(), eps, out2,
+                                                   bias=None if bias is None else bias.contiguous())
     return target
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import ember
+from ember import _dispatch
 
 CL3 = torch.channels_last_3d
 
@@ -62,34 +63,46 @@ def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def norm_silu(norm, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(rms_norm(norm, x))`` (into ``out`` when given): one pass over channels-last rows when
-    they are views and the norm has no bias (Wan's), else the two-step path."""
+def norm_silu(norm, x: torch.Tensor, out: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(rms_norm(norm, x + bias))`` (into ``out`` when given; ``bias``: the producing conv's,
+    per channel, not yet added): one pass over channels-last rows when they are views and the norm
+    has no bias (Wan's), else the two-step path."""
     rows = _rows(x)
     out_rows = _rows(out) if out is not None else None
     if rows is not None and (out is None or out_rows is not None) and not isinstance(norm.bias, torch.Tensor):
-        y = ember.ops.norm.rmsnorm_silu(rows, norm.gamma.reshape(x.shape[1]), eps=1e-24, out=out_rows)
+        y = ember.ops.norm.rmsnorm_silu(rows, norm.gamma.reshape(x.shape[1]), eps=1e-24, out=out_rows, bias=bias)
         return out if out is not None else y.view(x.movedim(1, -1).shape).movedim(-1, 1)
+    if bias is not None:
+        x = x + bias.view(1, -1, *[1] * (x.dim() - 2))
     if out is None:
         return F.silu(rms_norm(norm, x), inplace=True)
     return torch.ops.aten.silu.out(rms_norm(norm, x), out=out)
 
 
-def add_conv_bias_(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y += bias`` per channel, over channels-last rows where they are a view.
+def add_conv_bias_(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``y += bias`` per channel, then ``y += residual`` (a residual block's shortcut), in place.
 
     torch's conv adds its bias with a broadcast [1, C, 1, ...] add, which on a channels-last 5-D
     output runs a non-vectorised kernel: 0.19 ms for a [1, 256, 4, 192, 336] bf16 output on the H200
-    (0.7 TB/s; bench/results/h200/profile_vae_shapes.txt). As a [rows, C] + [C] add it streams. Same
-    values: one bf16 rounding of the same sum either way.
+    (0.7 TB/s). As a [rows, C] + [C] add it streams, still at 1.4 TB/s in torch
+    (bench/results/h200/profile_vae_shapes.txt); with Triton, both adds are one pass over
+    channels-last rows (``kernels.norm.bias_add_rows_``). Same values every way: each sum rounded to
+    y's dtype, as the separate adds store it.
     """
-    if bias is None:
+    if bias is None and residual is None:
         return y
     rows = _rows(y)
-    if rows is None:
-        return y.add_(bias.view(1, -1, *[1] * (y.dim() - 2)))
-    rows.add_(bias)
-    return y
+    res_rows = _rows(residual) if residual is not None else None
+    if bias is not None and rows is not None and (residual is None or res_rows is not None) and _dispatch.use_triton(y):
+        _dispatch.kernels("norm").bias_add_rows_(rows, bias.contiguous(), res_rows)
+        return y
+    if bias is not None:
+        if rows is None:
+            y.add_(bias.view(1, -1, *[1] * (y.dim() - 2)))
+        else:
+            rows.add_(bias)
+    return y if residual is None else y.add_(residual)
 
 
 class CausalStream:
@@ -106,20 +119,26 @@ class CausalStream:
         self.history.clear()
 
     # ------------------------------------------------------------------ layers
-    def causal(self, conv, x: torch.Tensor, norm=None) -> torch.Tensor:
-        """``conv(silu(norm(x)))`` (or ``conv(x)``) with the stream's time history, no padded copy."""
+    def causal(self, conv, x: torch.Tensor, norm=None, in_bias: torch.Tensor | None = None,
+               add_bias: bool = True) -> torch.Tensor:
+        """``conv(silu(norm(x + in_bias)))`` (or ``conv(x)``) with the stream's time history, no padded
+        copy. ``in_bias``: the previous conv's bias, added inside the norm's pass (needs ``norm``);
+        ``add_bias=False``: return the output without this conv's bias, for the caller to fold in."""
         pw, ph, k = conv._padding[0], conv._padding[2], conv._padding[4]
         B, _, T, H, W = x.shape
         C = conv.in_channels
+        if in_bias is not None and norm is None:
+            raise ValueError("vae: a folded input bias needs the norm that adds it")
+        bias = conv.bias if add_bias else None
         if k == 0:  # a 1x1x1 (or spatial-only) conv has no history
-            inp = x if norm is None else norm_silu(norm, x)
-            return add_conv_bias_(F.conv3d(inp, conv.weight, None, conv.stride, (0, ph, pw)), conv.bias)
+            inp = x if norm is None else norm_silu(norm, x, bias=in_bias)
+            return add_conv_bias_(F.conv3d(inp, conv.weight, None, conv.stride, (0, ph, pw)), bias)
         buf = torch.empty((B, C, k + T, H, W), dtype=x.dtype, device=x.device, memory_format=CL3)
         new = buf[:, :, k:]
         if norm is None:
             new.copy_(x)
         else:
-            norm_silu(norm, x, out=new)
+            norm_silu(norm, x, out=new, bias=in_bias)
         hist = self.history.get(id(conv))
         if hist is None:
             buf[:, :, :k].zero_()
@@ -127,15 +146,17 @@ class CausalStream:
             self.history[id(conv)] = hist
         else:
             buf[:, :, :k].copy_(hist)
-        y = add_conv_bias_(F.conv3d(buf, conv.weight, None, conv.stride, (0, ph, pw)), conv.bias)
+        y = add_conv_bias_(F.conv3d(buf, conv.weight, None, conv.stride, (0, ph, pw)), bias)
         hist.copy_(buf[:, :, T:])  # the stream's last k frames (old history too when T < k)
         return y
 
     def resblock(self, blk, x: torch.Tensor) -> torch.Tensor:
+        """conv1's bias goes into norm2's pass and conv2's into the shortcut add: two passes over
+        the block's activations fewer than adding each bias on its own (same values)."""
         h = x if isinstance(blk.conv_shortcut, torch.nn.Identity) else self.causal(blk.conv_shortcut, x)
-        y = self.causal(blk.conv1, x, norm=blk.norm1)
-        y = self.causal(blk.conv2, y, norm=blk.norm2)
-        return y.add_(h)
+        y = self.causal(blk.conv1, x, norm=blk.norm1, add_bias=False)
+        y = self.causal(blk.conv2, y, norm=blk.norm2, in_bias=blk.conv1.bias, add_bias=False)
+        return add_conv_bias_(y, blk.conv2.bias, residual=h)
 
     def attention(self, blk, x: torch.Tensor) -> torch.Tensor:
         """Single-head attention over each frame's H*W positions, on channels-last rows."""

@@ -310,7 +310,24 @@ def test_rmsnorm_silu_reference_path_and_out():
     assert norm.rmsnorm_silu(x, w, 1e-6, out=out) is out and torch.equal(out, exp)
 
 
+def test_rmsnorm_silu_bias_reference_path():
+    x, w, b = torch.randn(3, 40).bfloat16(), torch.randn(40).bfloat16(), torch.randn(40).bfloat16()
+    assert torch.equal(norm.rmsnorm_silu(x, w, 1e-6, bias=b), norm.rmsnorm_silu(x + b, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_silu_bias_kernel_interpreter(interpreter, dtype):
+    """The folded bias: the bits of adding it first (rounded to x's dtype), into a strided out."""
+    x, w, b = torch.randn(2, 3, 48).to(dtype), torch.randn(48).to(dtype), torch.randn(48).to(dtype)
+    buf = torch.zeros(2, 5, 48, dtype=dtype)
+    got = norm.rmsnorm_silu(x, w, 1e-6, out=buf[:, 1:4], bias=b)
+    assert torch.equal(got, norm.rmsnorm_silu(x + b, w, 1e-6))
+    assert bool((buf[:, 0] == 0).all() and (buf[:, 4] == 0).all())
+
+
 @pytest.mark.parametrize("call, exc, words", [
+    (lambda: norm.rmsnorm_silu(torch.randn(2, 8), torch.ones(8), bias=torch.ones(7)), ValueError, "bias: expected length 8"),
+    (lambda: norm.rmsnorm_silu(torch.randn(2, 8), torch.ones(8), bias=torch.ones(8).bfloat16()), TypeError, "bias"),
     (lambda: norm.rmsnorm_silu(torch.randn(2, 8), torch.ones(8), out=torch.empty(2, 8).bfloat16()), TypeError, "out"),
     (lambda: norm.rmsnorm_silu(torch.randn(2, 8), torch.ones(8), out=torch.empty(2, 7)), ValueError, "out: expected shape"),
     (lambda: norm.rmsnorm_silu(torch.randn(2, 8), torch.ones(8), out=torch.empty(8, 2).t()), ValueError,

@@ -243,3 +243,34 @@ def test_fused_norm_silu_and_row_bias_match_the_two_step_path_interpreter(interp
     y = torch.randn(1, C, 3, 4, 5).contiguous(memory_format=_stream.CL3)
     bias = torch.randn(C)
     assert torch.equal(_stream.add_conv_bias_(y.clone(), bias), y + bias.view(1, C, 1, 1, 1))
+
+
+def test_folded_conv_biases_same_bits_interpreter(interpreter):
+    """conv1's bias folded into norm2's pass and conv2's into the shortcut add give the bits of the
+    separate adds (bf16: each sum rounded as torch stores it), with and without a shortcut."""
+    from ember.vae import _stream
+    vae = make_vae("wan21", torch.bfloat16)
+    norm = vae.decoder.mid_block.resnets[0].norm2
+    C = norm.gamma.numel()
+    cl = dict(memory_format=_stream.CL3)
+    x = torch.randn(1, C, 3, 4, 5, dtype=torch.bfloat16).contiguous(**cl)
+    bias = torch.randn(C, dtype=torch.bfloat16)
+    got = torch.zeros(1, C, 5, 4, 5, dtype=torch.bfloat16).contiguous(**cl)
+    _stream.norm_silu(norm, x, out=got[:, :, 2:], bias=bias)
+    assert torch.equal(got[:, :, 2:], _stream.norm_silu(norm, (x + bias.view(1, C, 1, 1, 1)).contiguous(**cl)))
+    h = torch.randn(1, C, 3, 4, 5, dtype=torch.bfloat16).contiguous(**cl)
+    assert torch.equal(_stream.add_conv_bias_(x.clone(), bias, residual=h), (x + bias.view(1, C, 1, 1, 1)) + h)
+    assert torch.equal(_stream.add_conv_bias_(x.clone(), None, residual=h), x + h)
+    strided = torch.randn(1, C, 3, 4, 5, dtype=torch.bfloat16)  # not channels-last: the torch path
+    assert torch.equal(_stream.add_conv_bias_(strided.clone(), bias, residual=h), (strided + bias.view(1, C, 1, 1, 1)) + h)
+
+
+@pytest.mark.parametrize("name", ["wan21", "wan22"])
+def test_decode_through_kernels_matches_diffusers_interpreter(interpreter, name):
+    """The whole decode with the Triton norm and bias kernels (interpreted) against diffusers."""
+    vae = make_vae(name)
+    z = torch.randn(1, 4, 2, 3, 4)
+    ref = diffusers_decode(vae, z)
+    out = ember.vae.decode(vae, z, tile=False)
+    assert out.shape == ref.shape
+    assert psnr(out, ref) >= 70

@@ -274,3 +274,30 @@ def test_decode_through_kernels_matches_diffusers_interpreter(interpreter, name)
     out = ember.vae.decode(vae, z, tile=False)
     assert out.shape == ref.shape
     assert psnr(out, ref) >= 70
+
+
+def test_graph_switch(monkeypatch):
+    from ember.vae import _decode
+    spec = VaeSpec(make_vae("wan21"))
+    assert not _decode._use_graphs(spec, 9)  # CPU: eager
+    monkeypatch.setenv("EMBER_VAE_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="EMBER_VAE_GRAPHS"):
+        _decode._use_graphs(spec, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["wan21", "wan22"])
+@pytest.mark.parametrize("tile", [None, False])
+def test_gpu_graph_replays_equal_eager_steps(cuda, monkeypatch, name, tile):
+    """Steps replayed from a CUDA graph give the eager steps' bits, tiled (a graph per tile, tiles of
+    different sizes) and untiled, and with the full-resolution tail in 2-frame chunks."""
+    vae = make_vae(name, torch.bfloat16).to(cuda)
+    comp = VaeSpec(vae).comp
+    z = torch.randn(1, 4, 6, 14, 18, device=cuda, dtype=torch.bfloat16)
+    kw = dict(tile=10 * comp, overlap=2 * comp) if tile is None else dict(tile=False)
+    for chunk in (None, 2):
+        monkeypatch.setenv("EMBER_VAE_GRAPHS", "0")
+        eager = ember.vae.decode(vae, z, frames_per_chunk=chunk, progress=False, **kw)
+        monkeypatch.setenv("EMBER_VAE_GRAPHS", "1")
+        graphed = ember.vae.decode(vae, z, frames_per_chunk=chunk, progress=False, **kw)
+        assert torch.equal(graphed, eager), (name, tile, chunk)

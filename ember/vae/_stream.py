@@ -20,6 +20,8 @@ temporal upsampler's conv, which skips the first chunk), so outputs agree to rou
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -178,6 +180,36 @@ class CausalStream:
         return x
 
 
+def subpixel_enabled() -> bool:
+    """Whether the decoder's 2x upsample + 3x3 conv runs as the 2x2 sub-pixel conv (EMBER_VAE_SUBPIXEL,
+    default 1; read per call)."""
+    v = os.environ.get("EMBER_VAE_SUBPIXEL", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"EMBER_VAE_SUBPIXEL: expected 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def _subpixel_ok(conv) -> bool:
+    return (isinstance(conv, torch.nn.Conv2d) and tuple(conv.kernel_size) == (3, 3) and tuple(conv.padding) == (1, 1)
+            and tuple(conv.stride) == (1, 1) and tuple(conv.dilation) == (1, 1) and conv.groups == 1
+            and conv.padding_mode == "zeros")
+
+
+# Row (column) taps of the 2x2 sub-pixel kernels from a 3x3 kernel over a 2x nearest-upsampled input:
+# output parity 0 reads source rows (i - 1, i) with taps (w0, w1 + w2), parity 1 rows (i, i + 1)
+# with taps (w0 + w1, w2).
+_SUBPIXEL_TAPS = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0)), ((1.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+
+
+def _subpixel_weights(w: torch.Tensor) -> torch.Tensor:
+    """[4 Co, Ci, 2, 2] sub-pixel kernels (parity (a, b) at block 2a + b) of a [Co, Ci, 3, 3] kernel,
+    summed in float32 (float64 for float64), rounded once to w's dtype, channels-last."""
+    acc = torch.promote_types(w.dtype, torch.float32)
+    taps = torch.tensor(_SUBPIXEL_TAPS, dtype=acc, device=w.device)  # [parity, 2, 3]
+    w4 = torch.einsum("apk,ocks,bqs->abocpq", taps, w.to(acc), taps)
+    return w4.reshape(4 * w.shape[0], w.shape[1], 2, 2).to(w.dtype).contiguous(memory_format=torch.channels_last)
+
+
 class StreamDecoder(CausalStream):
     """Runs ``vae.decoder`` on one spatial tile, latent frame by latent frame.
 
@@ -191,6 +223,7 @@ class StreamDecoder(CausalStream):
         super().__init__()
         self.dec = decoder
         self.frames_per_chunk = frames_per_chunk
+        self.subpixel_weights: dict[int, tuple] = {}  # id(conv) -> (weight, its version, sub-pixel kernels)
         # up blocks from here on change no frame count: they (and the output conv) can run on a few
         # frames at a time, their causal convs carrying the history between sub-chunks
         self.time_fixed_from = 1 + max((i for i, ub in enumerate(decoder.up_blocks) if _upsamples_time(ub)),
@@ -210,11 +243,40 @@ class StreamDecoder(CausalStream):
             raise ValueError(f"vae: expected decoder resample modes upsample2d/upsample3d, got {r.mode!r}")
         B, C, T, H, W = x.shape
         x4 = x.permute(0, 2, 1, 3, 4).reshape(B * T, C, H, W)  # a view for channels-last input
-        # nearest-exact at an integer scale copies values, so the input dtype gives diffusers' result
-        up = F.interpolate(x4, scale_factor=2.0, mode="nearest-exact")
         conv = r.resample[1]
-        y = add_conv_bias_(F.conv2d(up, conv.weight, None, conv.stride, conv.padding), conv.bias)
+        if subpixel_enabled() and _subpixel_ok(conv):
+            y = self._subpixel_upsample_conv(x4, conv)
+        else:
+            # nearest-exact at an integer scale copies values, so the input dtype gives diffusers' result
+            up = F.interpolate(x4, scale_factor=2.0, mode="nearest-exact")
+            y = add_conv_bias_(F.conv2d(up, conv.weight, None, conv.stride, conv.padding), conv.bias)
         return y.view(B, T, *y.shape[1:]).permute(0, 2, 1, 3, 4)
+
+    def _subpixel_upsample_conv(self, x4: torch.Tensor, conv) -> torch.Tensor:
+        """``conv(2x nearest upsample of x4)`` for a 3x3, padding-1 conv, without the upsampled copy:
+        output pixel (2i + a, 2j + b) sees source rows i - 1 + a .. i + a and columns j - 1 + b .. j + b
+        only, so it is a 2x2 conv over the source with summed 3x3 taps (``_subpixel_weights``), one
+        of 4 for the 4 parities, as one conv with 4x the output channels (padding 1: [H + 1, W + 1]),
+        then each parity's slice goes to its pixels with the bias added. 4 instead of 9 taps per
+        output pixel; the summed weights are rounded once to the weight dtype, so the result differs
+        from the upsample-then-conv path at that rounding (EMBER_VAE_SUBPIXEL=0 for that path)."""
+        w = self.subpixel_weights.get(id(conv))
+        if w is None or w[0] is not conv.weight or w[1] != conv.weight._version:
+            w = self.subpixel_weights[id(conv)] = (conv.weight, conv.weight._version, _subpixel_weights(conv.weight))
+        N, _, H, W = x4.shape
+        Co = conv.out_channels
+        out = F.conv2d(x4, w[2], None, 1, 1)  # [N, 4 Co, H + 1, W + 1], channels-last
+        y = torch.empty((N, Co, 2 * H, 2 * W), dtype=x4.dtype, device=x4.device, memory_format=torch.channels_last)
+        yv = y.permute(0, 2, 3, 1).view(N, H, 2, W, 2, Co)
+        ov = out.permute(0, 2, 3, 1)
+        for a in (0, 1):
+            for b in (0, 1):
+                src = ov[:, a:a + H, b:b + W, (2 * a + b) * Co:(2 * a + b + 1) * Co]
+                if conv.bias is None:
+                    yv[:, :, a, :, b].copy_(src)
+                else:
+                    torch.add(src, conv.bias, out=yv[:, :, a, :, b])
+        return y
 
     def dup_up_add(self, du, x_in: torch.Tensor, x: torch.Tensor, first: bool) -> torch.Tensor:
         """``x + DupUp3D(x_in)`` (Wan2.2's parameter-free shortcut) as one gather added in place.

@@ -301,3 +301,34 @@ def test_gpu_graph_replays_equal_eager_steps(cuda, monkeypatch, name, tile):
         monkeypatch.setenv("EMBER_VAE_GRAPHS", "1")
         graphed = ember.vae.decode(vae, z, frames_per_chunk=chunk, progress=False, **kw)
         assert torch.equal(graphed, eager), (name, tile, chunk)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("hw", [(6, 7), (1, 1), (3, 2)])
+def test_subpixel_upsample_conv_equals_upsample_then_conv(bias, hw):
+    """The 2x2 sub-pixel form of 2x nearest upsample + 3x3 conv (padding 1) is the same function:
+    float64 to rounding, borders included; the kernels are re-derived when the weight changes."""
+    from ember.vae import _stream
+    conv = torch.nn.Conv2d(5, 3, 3, padding=1, bias=bias).double()
+    x = torch.randn(2, 5, *hw, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    s = _stream.StreamDecoder(make_vae("wan21").decoder)
+    with torch.no_grad():
+        for _ in range(2):
+            ref = conv(torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest-exact"))
+            got = s._subpixel_upsample_conv(x, conv)
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+            conv.weight.mul_(-0.5)  # an in-place update: new kernels, not the cached ones
+
+
+def test_subpixel_switch_and_exact_path(monkeypatch):
+    """EMBER_VAE_SUBPIXEL=0 keeps the upsample-then-conv path (diffusers' op order)."""
+    from ember.vae import _stream
+    vae = make_vae("wan22")
+    z = torch.randn(1, 4, 2, 4, 5)
+    ref = diffusers_decode(vae, z)
+    monkeypatch.setenv("EMBER_VAE_SUBPIXEL", "0")
+    assert psnr(ember.vae.decode(vae, z, tile=False), ref) >= 70
+    monkeypatch.setenv("EMBER_VAE_SUBPIXEL", "on")
+    with pytest.raises(ValueError, match="EMBER_VAE_SUBPIXEL"):
+        _stream.subpixel_enabled()

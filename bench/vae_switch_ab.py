@@ -1,0 +1,62 @@
+"""Same-run A/B of ``ember.vae.decode`` with a switch on (VAR=1) and off (0), H200 bf16, default
+tiles: seconds per decode (alternating), peak allocated and reserved GB above the weights, the
+largest output difference and the PSNR of "on" against "off". VAR: EMBER_VAE_GRAPHS (a tile's steady
+latent-frame steps replayed from a CUDA graph; expected difference 0) or EMBER_VAE_SUBPIXEL (the
+upsample + 3x3 conv as a 2x2 sub-pixel conv; summed weights, so not 0).
+
+    python bench/vae_switch_ab.py OUT_JSON [VAR] [latent_frames]   # needs diffusers (bench/run_h200.sh)
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+
+import ember
+from ember.bench.vae import build_vae
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR in dB of a against b for videos in [-1, 1] (peak-to-peak 2)."""
+    mse = (((a.double() - b.double()) / 2) ** 2).mean()
+    return (10 * torch.log10(1 / mse.clamp_min(1e-30))).item()
+
+
+def main(path: str, var: str = "EMBER_VAE_GRAPHS", frames: int = 31) -> None:
+    dev = torch.device("cuda")
+    res = {"note": f"H200 bf16, random-weight diffusers VAEs, {frames} latent frames, default tiles, {var} 1 "
+                   "vs 0; wan22 at 704x1280, wan21 at 480x832; GB above the weights"}
+    for name, shape in (("wan22", (48, 44, 80)), ("wan21", (16, 60, 104))):
+        vae = build_vae(name, dev, torch.bfloat16)
+        z = torch.randn(1, shape[0], frames, *shape[1:], device=dev, dtype=torch.bfloat16)
+        base = torch.cuda.memory_allocated()
+        r = {"s": {"on": [], "off": []}, "peak_alloc_GB": {}, "peak_reserved_GB": {}}
+        outs = {}
+        for rep in range(3):
+            for label, env in (("on", "1"), ("off", "0")):
+                os.environ[var] = env
+                outs.pop(label, None)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs[label] = ember.vae.decode(vae, z, progress=False)
+                torch.cuda.synchronize()
+                if rep:
+                    r["s"][label].append(round(time.perf_counter() - t0, 3))
+                r["peak_alloc_GB"][label] = round((torch.cuda.max_memory_allocated() - base) / 1e9, 3)
+                r["peak_reserved_GB"][label] = round((torch.cuda.max_memory_reserved() - base) / 1e9, 3)
+        r["max_abs_diff"] = (outs["on"].float() - outs["off"].float()).abs().max().item()
+        r["psnr_on_vs_off_db"] = psnr(outs["on"], outs["off"])
+        res[name] = r
+        print(name, r, flush=True)
+        del vae, outs, z
+        torch.cuda.empty_cache()
+    os.environ.pop(var, None)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *sys.argv[2:3], *(int(a) for a in sys.argv[3:4]))

@@ -1,10 +1,11 @@
 """Same-run A/B of ``ember.vae.decode`` with a switch on (VAR=1) and off (0), H200 bf16, default
 tiles: seconds per decode (alternating), peak allocated and reserved GB above the weights, the
 largest output difference and the PSNR of "on" against "off". VAR: EMBER_VAE_GRAPHS (a tile's steady
-latent-frame steps replayed from a CUDA graph; expected difference 0) or EMBER_VAE_SUBPIXEL (the
-upsample + 3x3 conv as a 2x2 sub-pixel conv; summed weights, so not 0).
+latent-frame steps replayed from a CUDA graph; expected difference 0), EMBER_VAE_SUBPIXEL (the
+upsample + 3x3 conv as a 2x2 sub-pixel conv; summed weights, so not 0) or dup_up_kernel (Wan2.2's
+DupUp3D shortcut add as one Triton pass, off = the torch gather + add; expected 0).
 
-    python bench/vae_switch_ab.py OUT_JSON [VAR] [latent_frames]   # needs diffusers (bench/run_h200.sh)
+    python bench/vae_switch_ab.py OUT_JSON [VAR] [latent_frames] [wan22,wan21]   # needs diffusers (bench/run_h200.sh)
 """
 import json
 import os
@@ -15,6 +16,7 @@ import torch
 
 import ember
 from ember.bench.vae import build_vae
+from ember.vae import _stream
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -23,19 +25,41 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return (10 * torch.log10(1 / mse.clamp_min(1e-30))).item()
 
 
-def main(path: str, var: str = "EMBER_VAE_GRAPHS", frames: int = 31) -> None:
+_DUP_UP_ADD = _stream.StreamDecoder.dup_up_add
+
+
+def _dup_up_add_torch(self, du, x_in, x, first):
+    """StreamDecoder.dup_up_add on its torch path (the gather, then the add)."""
+    use = _stream._dispatch.use_triton
+    _stream._dispatch.use_triton = lambda t: False
+    try:
+        return _DUP_UP_ADD(self, du, x_in, x, first)
+    finally:
+        _stream._dispatch.use_triton = use
+
+
+def switch(var: str, on: bool) -> None:
+    if var == "dup_up_kernel":
+        _stream.StreamDecoder.dup_up_add = _DUP_UP_ADD if on else _dup_up_add_torch
+    else:
+        os.environ[var] = "1" if on else "0"
+
+
+def main(path: str, var: str = "EMBER_VAE_GRAPHS", frames: int = 31, names: str = "wan22,wan21") -> None:
     dev = torch.device("cuda")
     res = {"note": f"H200 bf16, random-weight diffusers VAEs, {frames} latent frames, default tiles, {var} 1 "
                    "vs 0; wan22 at 704x1280, wan21 at 480x832; GB above the weights"}
-    for name, shape in (("wan22", (48, 44, 80)), ("wan21", (16, 60, 104))):
+    shapes = {"wan22": (48, 44, 80), "wan21": (16, 60, 104)}
+    for name in names.split(","):
+        shape = shapes[name]
         vae = build_vae(name, dev, torch.bfloat16)
         z = torch.randn(1, shape[0], frames, *shape[1:], device=dev, dtype=torch.bfloat16)
         base = torch.cuda.memory_allocated()
         r = {"s": {"on": [], "off": []}, "peak_alloc_GB": {}, "peak_reserved_GB": {}}
         outs = {}
         for rep in range(3):
-            for label, env in (("on", "1"), ("off", "0")):
-                os.environ[var] = env
+            for label in ("on", "off"):
+                switch(var, label == "on")
                 outs.pop(label, None)
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -53,10 +77,11 @@ def main(path: str, var: str = "EMBER_VAE_GRAPHS", frames: int = 31) -> None:
         print(name, r, flush=True)
         del vae, outs, z
         torch.cuda.empty_cache()
+    switch(var, True)
     os.environ.pop(var, None)
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *sys.argv[2:3], *(int(a) for a in sys.argv[3:4]))
+    main(sys.argv[1], *sys.argv[2:3], *(int(a) for a in sys.argv[3:4]), *sys.argv[4:5])

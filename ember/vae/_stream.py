@@ -286,17 +286,20 @@ class StreamDecoder(CausalStream):
         """
         ft, fs, rep, oc = du.factor_t, du.factor_s, du.repeats, du.out_channels
         B, _, t, h, w = x_in.shape
+        drop = ft - 1 if first else 0  # diffusers drops the first ft - 1 frames of the first chunk
+        if (_dispatch.use_triton(x) and x.permute(0, 2, 3, 4, 1).is_contiguous()
+                and tuple(x.shape) == (B, oc, t * ft - drop, h * fs, w * fs)):
+            # one pass (H200 profile: the gather alone was 35 ms and the add 29 ms per 9 Wan2.2 latent frames)
+            _dispatch.kernels("vae").dup_up_add_(x, x_in, ft, fs, rep, drop)
+            return x
         idx = (torch.arange(oc * ft * fs * fs, device=x.device) // rep).view(oc, ft, fs, fs)
         g = x_in.permute(0, 2, 3, 4, 1)[..., idx]  # [B, t, h, w, oc, ft, fs, fs]
-        g = g.permute(0, 1, 5, 2, 6, 3, 7, 4)  # [B, t, ft, h, fs, w, fs, oc]
-        if first:  # diffusers drops the first ft - 1 frames of the first chunk
-            g = g[:, :, ft - 1:]
-        shape = (B, t, g.shape[2], h, fs, w, fs, oc)
+        g = g.permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(B, t * ft, h, fs, w, fs, oc)[:, drop:]
         xv = x.permute(0, 2, 3, 4, 1)
         if xv.is_contiguous():
-            xv.view(shape).add_(g)
+            xv.view(g.shape).add_(g)
             return x
-        return x + g.reshape(B, t * g.shape[2], h * fs, w * fs, oc).permute(0, 4, 1, 2, 3)
+        return x + g.reshape(B, t * ft - drop, h * fs, w * fs, oc).permute(0, 4, 1, 2, 3)
 
     def up_block(self, ub, x: torch.Tensor, first: bool) -> torch.Tensor:
         x_in = x

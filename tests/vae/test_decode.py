@@ -332,3 +332,24 @@ def test_subpixel_switch_and_exact_path(monkeypatch):
     monkeypatch.setenv("EMBER_VAE_SUBPIXEL", "on")
     with pytest.raises(ValueError, match="EMBER_VAE_SUBPIXEL"):
         _stream.subpixel_enabled()
+
+
+@pytest.mark.parametrize("ft,fs,cin,cout,t,first", [(2, 2, 16, 16, 1, True), (2, 2, 16, 16, 2, False),
+                                                     (1, 2, 16, 8, 2, False), (2, 2, 8, 16, 3, True),
+                                                     (2, 1, 12, 6, 2, False)])
+def test_dup_up_add_kernel_equals_the_gather_interpreter(interpreter, monkeypatch, ft, fs, cin, cout, t, first):
+    """The one-pass DupUp3D shortcut add gives the bits of the torch gather + add and of diffusers'
+    module + add (bf16), first chunk or not, on a channels-last source."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D
+    from ember import _dispatch
+    from ember.vae import _stream
+    du = DupUp3D(cin, cout, ft, fs)
+    s = _stream.StreamDecoder(make_vae("wan21").decoder)
+    x_in = torch.randn(2, cin, t, 3, 5, dtype=torch.bfloat16).contiguous(memory_format=_stream.CL3)
+    frames = t * ft - (ft - 1 if first else 0)  # diffusers drops the first chunk's first ft - 1 frames
+    x = torch.randn(2, cout, frames, 3 * fs, 5 * fs, dtype=torch.bfloat16).contiguous(memory_format=_stream.CL3)
+    got = s.dup_up_add(du, x_in, x.clone(), first)
+    monkeypatch.setattr(_dispatch, "use_triton", lambda t: False)
+    assert torch.equal(got, s.dup_up_add(du, x_in, x.clone(), first))
+    ref = du(x_in, first_chunk=first)  # diffusers' own module
+    assert torch.equal(got, (x.float() + ref.float()).to(torch.bfloat16))

@@ -353,3 +353,36 @@ def test_dup_up_add_kernel_equals_the_gather_interpreter(interpreter, monkeypatc
     assert torch.equal(got, s.dup_up_add(du, x_in, x.clone(), first))
     ref = du(x_in, first_chunk=first)  # diffusers' own module
     assert torch.equal(got, (x.float() + ref.float()).to(torch.bfloat16))
+
+
+def test_steady_steps_fall_back_to_eager_when_capture_fails(monkeypatch):
+    """A CUDA-graph capture that raises costs the replay, not the result: the step runs eagerly
+    (with a warning) and the tile's later steps stay eager."""
+    from ember.vae import _decode, _stream
+    vae = make_vae("wan21")
+    z = torch.randn(1, 4, 4, 3, 4)
+
+    class Boom:
+        def __init__(self, graph):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("capture not permitted")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", Boom)
+    eager = _decode._SteadySteps(_stream.StreamDecoder(vae.decoder), vae.post_quant_conv, graphs=False)
+    steady = _decode._SteadySteps(_stream.StreamDecoder(vae.decoder), vae.post_quant_conv, graphs=True)
+    with torch.no_grad():
+        for k in range(4):
+            want = eager.step(z[:, :, k:k + 1], k)
+            if k == _decode.GRAPH_FROM_FRAME:
+                with pytest.warns(UserWarning, match="capture failed"):
+                    got = steady.step(z[:, :, k:k + 1], k)
+            else:
+                got = steady.step(z[:, :, k:k + 1], k)
+            assert torch.equal(got, want), k
+    assert steady.graph is None and not steady.graphs

@@ -5,6 +5,7 @@ and the same decode with cuDNN's autotuner on and off.
 
 --shapes: aten ops grouped by input shape instead (what bench/results/h200/profile_vae_shapes.txt holds).
 """
+import os
 import sys
 import time
 
@@ -24,7 +25,9 @@ def timed_decode(vae, z) -> float:
 
 
 def by_shape(vae, z) -> None:
-    """Self CUDA time of aten ops grouped by input shape (a conv's bias add shows as its own add_)."""
+    """Self CUDA time of aten ops grouped by input shape (a conv's bias add shows as its own add_).
+    Eager steps: kernels replayed from a CUDA graph are not attributed to aten ops."""
+    os.environ.setdefault("EMBER_VAE_GRAPHS", "0")
     timed_decode(vae, z[:, :, :2])
     print(f"decode {z.shape[2]} latent frames {timed_decode(vae, z):.3f} s (unprofiled)")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

@@ -232,7 +232,9 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, frames_per_ch
 
     ``tile`` / ``overlap`` are in sample (output) pixels, an int or an (height, width) pair, like
     diffusers' ``enable_tiling(tile_sample_min_*, tile_sample_stride_* = tile - overlap)``; with the
-    same settings the output matches diffusers' decode. ``tile=None`` picks tiles that bound memory
+    same settings the output matches diffusers' decode to rounding (its 2x upsample + 3x3 convs run
+    as 2x2 sub-pixel convs with summed weights: ~50-55 dB from diffusers' op order at full size in
+    bf16; ``EMBER_VAE_SUBPIXEL=0`` keeps that order). ``tile=None`` picks tiles that bound memory
     (untiled when small); ``tile=False`` never tiles. ``overlap=None`` is a quarter of the tile.
     ``frames_per_chunk`` (1 or 2; default all 4 of a latent frame's): the decoder's full-resolution
     layers take that many output frames at a time, less peak memory for some time (Wan2.1 at

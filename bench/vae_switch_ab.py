@@ -2,12 +2,15 @@
 tiles: seconds per decode (alternating), peak allocated and reserved GB above the weights, the
 largest output difference and the PSNR of "on" against "off". VAR: EMBER_VAE_GRAPHS (a tile's steady
 latent-frame steps replayed from a CUDA graph; expected difference 0), EMBER_VAE_SUBPIXEL (the
-upsample + 3x3 conv as a 2x2 sub-pixel conv; summed weights, so not 0) or dup_up_kernel (Wan2.2's
-DupUp3D shortcut add as one Triton pass, off = the torch gather + add; expected 0).
+upsample + 3x3 conv as a 2x2 sub-pixel conv; summed weights, so not 0), dup_up_kernel (Wan2.2's
+DupUp3D shortcut add as one Triton pass, off = the torch gather + add; expected 0) or bias_fold
+(a residual block's conv biases folded into norm2's pass and the shortcut add, off = a torch bias
+add per conv and a separate shortcut add; expected 0).
 
     python bench/vae_switch_ab.py OUT_JSON [VAR] [latent_frames] [wan22,wan21]   # needs diffusers (bench/run_h200.sh)
 """
 import json
+import math
 import os
 import sys
 import time
@@ -15,17 +18,13 @@ import time
 import torch
 
 import ember
-from ember.bench.vae import build_vae
+from ember.bench.vae import build_vae, psnr
 from ember.vae import _stream
 
 
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    """PSNR in dB of a against b for videos in [-1, 1] (peak-to-peak 2)."""
-    mse = (((a.double() - b.double()) / 2) ** 2).mean()
-    return (10 * torch.log10(1 / mse.clamp_min(1e-30))).item()
-
-
 _DUP_UP_ADD = _stream.StreamDecoder.dup_up_add
+_ADD_CONV_BIAS = _stream.add_conv_bias_
+_RESBLOCK = _stream.CausalStream.resblock
 
 
 def _dup_up_add_torch(self, du, x_in, x, first):
@@ -38,9 +37,28 @@ def _dup_up_add_torch(self, du, x_in, x, first):
         _stream._dispatch.use_triton = use
 
 
+def _add_conv_bias_torch(y, bias, residual=None):
+    """add_conv_bias_ as torch adds: the bias over channels-last rows, then the residual."""
+    if bias is not None:
+        rows = _stream._rows(y)
+        (y.add_(_stream._per_channel(bias, y)) if rows is None else rows.add_(bias))
+    return y if residual is None else y.add_(residual)
+
+
+def _resblock_unfolded(self, blk, x):
+    """CausalStream.resblock with each conv adding its own bias and a separate shortcut add."""
+    h = x if isinstance(blk.conv_shortcut, torch.nn.Identity) else self.causal(blk.conv_shortcut, x)
+    y = self.causal(blk.conv1, x, norm=blk.norm1)
+    y = self.causal(blk.conv2, y, norm=blk.norm2)
+    return y.add_(h)
+
+
 def switch(var: str, on: bool) -> None:
     if var == "dup_up_kernel":
         _stream.StreamDecoder.dup_up_add = _DUP_UP_ADD if on else _dup_up_add_torch
+    elif var == "bias_fold":
+        _stream.add_conv_bias_ = _ADD_CONV_BIAS if on else _add_conv_bias_torch
+        _stream.CausalStream.resblock = _RESBLOCK if on else _resblock_unfolded
     else:
         os.environ[var] = "1" if on else "0"
 
@@ -72,7 +90,8 @@ def main(path: str, var: str = "EMBER_VAE_GRAPHS", frames: int = 31, names: str 
                 r["peak_alloc_GB"][label] = round((torch.cuda.max_memory_allocated() - base) / 1e9, 3)
                 r["peak_reserved_GB"][label] = round((torch.cuda.max_memory_reserved() - base) / 1e9, 3)
         r["max_abs_diff"] = (outs["on"].float() - outs["off"].float()).abs().max().item()
-        r["psnr_on_vs_off_db"] = psnr(outs["on"], outs["off"])
+        db = psnr(outs["on"], outs["off"])
+        r["psnr_on_vs_off_db"] = db if math.isfinite(db) else None  # None: identical
         res[name] = r
         print(name, r, flush=True)
         del vae, outs, z

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ember.vae._stream import StreamDecoder, is_causal_conv, progress_bar, to_channels_last
+from ember.vae._stream import StreamDecoder, env_switch, is_causal_conv, progress_bar, to_channels_last
 
 SUPPORTED = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
 # Auto tiling: at most this many bytes of conv history (2 frames per causal conv) per tile. 1 GB
@@ -333,10 +333,7 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, frames_per_ch
 def _use_graphs(spec: VaeSpec, T: int) -> bool:
     """Whether decode replays a tile's steady latent-frame step as a CUDA graph: on CUDA with at least
     GRAPH_MIN_FRAMES latent frames, unless EMBER_VAE_GRAPHS=0 (read per call)."""
-    v = os.environ.get("EMBER_VAE_GRAPHS", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"EMBER_VAE_GRAPHS: expected 0 or 1, got {v!r}")
-    return v == "1" and spec.device.type == "cuda" and T >= GRAPH_MIN_FRAMES
+    return env_switch("EMBER_VAE_GRAPHS") and spec.device.type == "cuda" and T >= GRAPH_MIN_FRAMES
 
 
 class _SteadySteps:

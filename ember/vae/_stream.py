@@ -46,6 +46,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[C] values viewed to broadcast over dim 1 of [B, C, *spatial] ``x``."""
+    return v.reshape(-1, *[1] * (x.dim() - 2))
+
+
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """diffusers' ``WanRMS_norm`` (channel-first): x / ||x||_C * sqrt(C) * gamma + bias.
 
@@ -59,9 +64,9 @@ def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
         # eps far below any non-degenerate mean(x^2), where diffusers clamps ||x|| at 1e-12
         y = ember.ops.rmsnorm(rows, gamma, eps=1e-24).view(x.movedim(1, -1).shape).movedim(-1, 1)
     else:
-        y = (F.normalize(x.float(), dim=1) * norm.scale * gamma.float().view(C, *[1] * (x.dim() - 2))).to(x.dtype)
+        y = (F.normalize(x.float(), dim=1) * norm.scale * _per_channel(gamma.float(), x)).to(x.dtype)
     if isinstance(norm.bias, torch.Tensor):
-        y = y + norm.bias.reshape(C, *[1] * (x.dim() - 2))
+        y = y + _per_channel(norm.bias, x)
     return y
 
 
@@ -76,7 +81,7 @@ def norm_silu(norm, x: torch.Tensor, out: torch.Tensor | None = None,
         y = ember.ops.norm.rmsnorm_silu(rows, norm.gamma.reshape(x.shape[1]), eps=1e-24, out=out_rows, bias=bias)
         return out if out is not None else y.view(x.movedim(1, -1).shape).movedim(-1, 1)
     if bias is not None:
-        x = x + bias.view(1, -1, *[1] * (x.dim() - 2))
+        x = x + _per_channel(bias, x)
     if out is None:
         return F.silu(rms_norm(norm, x), inplace=True)
     return torch.ops.aten.silu.out(rms_norm(norm, x), out=out)
@@ -101,7 +106,7 @@ def add_conv_bias_(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.T
         return y
     if bias is not None:
         if rows is None:
-            y.add_(bias.view(1, -1, *[1] * (y.dim() - 2)))
+            y.add_(_per_channel(bias, y))
         else:
             rows.add_(bias)
     return y if residual is None else y.add_(residual)
@@ -180,13 +185,18 @@ class CausalStream:
         return x
 
 
+def env_switch(name: str, default: bool = True) -> bool:
+    """An on/off environment switch ("0" or "1", read per call); anything else is a ValueError."""
+    v = os.environ.get(name, "1" if default else "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def subpixel_enabled() -> bool:
     """Whether the decoder's 2x upsample + 3x3 conv runs as the 2x2 sub-pixel conv (EMBER_VAE_SUBPIXEL,
-    default 1; read per call)."""
-    v = os.environ.get("EMBER_VAE_SUBPIXEL", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"EMBER_VAE_SUBPIXEL: expected 0 or 1, got {v!r}")
-    return v == "1"
+    default 1)."""
+    return env_switch("EMBER_VAE_SUBPIXEL")
 
 
 def _subpixel_ok(conv) -> bool:

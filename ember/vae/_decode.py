@@ -199,9 +199,19 @@ def _frames_per_chunk(arg: int | None = None) -> int | None:
 
 # ----------------------------------------------------------------------------- tiling
 class _Axis:
-    """Tile origins and sizes along one axis, in latent and decoder-output pixels (diffusers' rules)."""
+    """Tile origins and sizes along one axis, in latent and decoder-output pixels (diffusers' rules).
 
-    def __init__(self, n_lat: int, tile_s: int, overlap_s: int, spec: VaeSpec, tiled: bool):
+    diffusers starts a tile at every multiple of the stride below the latent size, even past a tile
+    that already reaches the end: with 44 latent rows, 24-row tiles and stride 20 it decodes rows
+    0-24, 20-44 and 40-44, a 4-row tile (little context, and a whole decoder pass of small, slow
+    convolutions) inside the second one, which then keeps only its first 20 rows. ``trim`` (auto
+    tiles) stops at the first tile that reaches the end and lets it keep every remaining row: 2 tiles
+    there. Without ``trim`` (explicit tile settings) the layout is diffusers', so equal settings give
+    its result.
+    """
+
+    def __init__(self, n_lat: int, tile_s: int, overlap_s: int, spec: VaeSpec, tiled: bool, trim: bool = False):
+        self.comp_out = spec.comp_out
         if not tiled:
             self.starts, self.tile_lat, self.stride_o, self.blend_o = [0], n_lat, n_lat * spec.comp_out, 0
             return
@@ -209,7 +219,17 @@ class _Axis:
         self.tile_lat, stride_lat = tile_s // spec.comp, stride_s // spec.comp
         self.stride_o = stride_s // spec.patch
         self.blend_o = tile_s // spec.patch - self.stride_o
-        self.starts = list(range(0, n_lat, stride_lat))
+        self.starts = []
+        for s in range(0, n_lat, stride_lat):
+            self.starts.append(s)
+            if trim and s + self.tile_lat >= n_lat:
+                break
+
+    def keep_o(self, index: int) -> int:
+        """Decoder-output rows (columns) tile ``index`` contributes from its start: the stride, the
+        last tile all of its own (the caller clips them at the output's edge; in diffusers' layout
+        that leaves at most the stride)."""
+        return self.stride_o if index < len(self.starts) - 1 else self.tile_lat * self.comp_out
 
 
 def _blend_weights(n: int, device) -> torch.Tensor:
@@ -235,7 +255,8 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, frames_per_ch
     same settings the output matches diffusers' decode to rounding (its 2x upsample + 3x3 convs run
     as 2x2 sub-pixel convs with summed weights: ~50-55 dB from diffusers' op order at full size in
     bf16; ``EMBER_VAE_SUBPIXEL=0`` keeps that order). ``tile=None`` picks tiles that bound memory
-    (untiled when small); ``tile=False`` never tiles. ``overlap=None`` is a quarter of the tile.
+    (untiled when small), laid out without diffusers' redundant edge strips (``_Axis``: Wan2.2 at
+    704x1280 in 4 tiles, not 9); ``tile=False`` never tiles. ``overlap=None`` is a quarter of the tile.
     ``frames_per_chunk`` (1 or 2; default all 4 of a latent frame's): the decoder's full-resolution
     layers take that many output frames at a time, less peak memory for some time (Wan2.1 at
     81x480x832 on an H200: 2 -> 0.90 instead of 1.08 GB, 1.87 instead of 1.74 s); same result.
@@ -251,16 +272,17 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, frames_per_ch
     _validate_latents(spec, latents)
     chunk = _frames_per_chunk(frames_per_chunk)
     B, _, T, h_lat, w_lat = latents.shape
-    if tile is None:
-        auto = auto_tile(spec, h_lat, w_lat)
-        tile, overlap = auto if auto is not None else (False, None)
+    auto = tile is None
+    if auto:
+        picked = auto_tile(spec, h_lat, w_lat)
+        tile, overlap = picked if picked is not None else (False, None)
     if tile is False:
         tiled, th, tw, oh, ow = False, 0, 0, 0, 0
     else:
         th, tw, oh, ow = _validate_tiles(spec, tile, overlap)
         tiled = w_lat > tw // spec.comp or h_lat > th // spec.comp  # diffusers' condition
-    rows = _Axis(h_lat, th, oh, spec, tiled)
-    cols = _Axis(w_lat, tw, ow, spec, tiled)
+    rows = _Axis(h_lat, th, oh, spec, tiled, trim=auto)
+    cols = _Axis(w_lat, tw, ow, spec, tiled, trim=auto)
     to_channels_last(vae.decoder)
     to_channels_last(vae.post_quant_conv)
 
@@ -309,7 +331,7 @@ def decode(vae, latents: torch.Tensor, *, tile=None, overlap=None, frames_per_ch
                             new_right = t.new_empty((B, t.shape[1], F_out, th_o, nr))
                         new_bottom[:, :, f0:f1] = t[:, :, :, th_o - new_bottom.shape[3]:]
                         new_right[:, :, f0:f1] = t[:, :, :, :, tw_o - new_right.shape[4]:]
-                    crop = t[:, :, :, :rows.stride_o, :cols.stride_o]
+                    crop = t[:, :, :, :rows.keep_o(ri), :cols.keep_o(ci)]
                     r0, c0 = ri * rows.stride_o, ci * cols.stride_o
                     crop = crop[:, :, :, :H_o - r0, :W_o - c0]
                     p = spec.patch

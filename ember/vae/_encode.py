@@ -230,11 +230,24 @@ def _blend(prev: torch.Tensor, cur: torch.Tensor, extent: int, dim: int) -> None
     b.copy_(a.float() * (1 - w) + b.float() * w)
 
 
-def encode_parameters(vae, video: torch.Tensor, tile, overlap, tiled: bool, progress: bool) -> torch.Tensor:
+def _starts(n: int, tile: int, stride: int, trim: bool) -> list[int]:
+    """diffusers' tile origins (every stride below n) or, ``trim``, up to the first tile reaching n
+    (as the decoder's ``_Axis``: no redundant strip inside the last tile)."""
+    starts = []
+    for s in range(0, n, stride):
+        starts.append(s)
+        if trim and s + tile >= n:
+            break
+    return starts
+
+
+def encode_parameters(vae, video: torch.Tensor, tile, overlap, tiled: bool, progress: bool,
+                      trim: bool = False) -> torch.Tensor:
     """The posterior's parameters [B, 2z, latent frames, h, w] (what diffusers' ``_encode`` returns).
 
     ``tile``/``overlap`` are (height, width) video pixels, already validated; ``tiled`` is the caller's
-    decision to tile (diffusers' own rule differs from the plain one for patchified VAEs).
+    decision to tile (diffusers' own rule differs from the plain one for patchified VAEs); ``trim``:
+    the last tile of a row / column is the first that reaches the edge and keeps all it encoded.
     """
     spec = EncoderSpec(vae)
     B, _, n_frames, H, W = video.shape
@@ -245,7 +258,7 @@ def encode_parameters(vae, video: torch.Tensor, tile, overlap, tiled: bool, prog
         tl_h, tl_w, st_h, st_w = th // c, tw // c, (th - oh) // c, (tw - ow) // c
     else:
         tl_h, tl_w, st_h, st_w = h_lat, w_lat, h_lat, w_lat
-    row_starts, col_starts = range(0, h_lat, st_h), range(0, w_lat, st_w)
+    row_starts, col_starts = _starts(h_lat, tl_h, st_h, trim), _starts(w_lat, tl_w, st_w, trim)
     to_channels_last(vae.encoder)
     to_channels_last(vae.quant_conv)
     qc = vae.quant_conv
@@ -275,7 +288,8 @@ def encode_parameters(vae, video: torch.Tensor, tile, overlap, tiled: bool, prog
                     _blend(row[ci - 1], lat, tl_w - st_w, 4)
                 row.append(lat)
                 r0, c0 = ri * st_h, ci * st_w
-                rh, rw = min(st_h, h_lat - r0), min(st_w, w_lat - c0)
+                rh = h_lat - r0 if ri == len(row_starts) - 1 else min(st_h, h_lat - r0)
+                rw = w_lat - c0 if ci == len(col_starts) - 1 else min(st_w, w_lat - c0)
                 out[:, :, :, r0:r0 + rh, c0:c0 + rw] = lat[:, :, :, :rh, :rw]
             above = row
     finally:
@@ -307,13 +321,14 @@ def encode(vae, video: torch.Tensor, *, tile=None, overlap=None, progress: bool 
     spec = EncoderSpec(vae)
     _validate_video(spec, video)
     h_lat, w_lat = video.shape[3] // spec.comp, video.shape[4] // spec.comp
-    if tile is None:
-        auto = auto_tile(spec, h_lat, w_lat)
-        tile, overlap = auto if auto is not None else (False, None)
+    auto = tile is None
+    if auto:
+        picked = auto_tile(spec, h_lat, w_lat)
+        tile, overlap = picked if picked is not None else (False, None)
     if tile is False:
         h = encode_parameters(vae, video, None, None, False, progress)
     else:
         th, tw, oh, ow = _validate_tiles(spec, tile, overlap)
         tiled = video.shape[3] > th or video.shape[4] > tw
-        h = encode_parameters(vae, video, (th, tw), (oh, ow), tiled, progress)
+        h = encode_parameters(vae, video, (th, tw), (oh, ow), tiled, progress, trim=auto)
     return DiagonalGaussianDistribution(h)

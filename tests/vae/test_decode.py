@@ -189,6 +189,44 @@ def test_frames_per_chunk_bad(bad):
         ember.vae.optimize(make_vae("wan21"), frames_per_chunk=bad)
 
 
+def test_axis_trim_drops_the_tile_inside_the_last_one():
+    """diffusers' layout starts a tile at every stride below the size; trimmed (auto) tiles stop at
+    the first that reaches the end, which keeps every remaining row."""
+    from ember.vae._decode import _Axis
+    spec = VaeSpec(make_vae("wan22"))
+    c = spec.comp
+    full = _Axis(44, 24 * c, 4 * c, spec, True)
+    trimmed = _Axis(44, 24 * c, 4 * c, spec, True, trim=True)
+    assert full.starts == [0, 20, 40] and trimmed.starts == [0, 20]
+    assert [full.keep_o(i) for i in range(2)] == [trimmed.keep_o(0), full.stride_o] == [20 * spec.comp_out] * 2
+    assert trimmed.keep_o(1) == 24 * spec.comp_out  # the last tile keeps all it decoded
+    assert _Axis(40, 24 * c, 4 * c, spec, True, trim=True).starts == [0, 20]  # exact fit: unchanged
+    assert _Axis(45, 24 * c, 4 * c, spec, True, trim=True).starts == [0, 20, 40]  # 21 rows left: needed
+
+
+def test_auto_tiles_skip_diffusers_redundant_edge_tiles(monkeypatch):
+    """Auto tiles decode 20 x 10 latents as 2 tiles where diffusers' layout of the same tiles takes 6
+    (a 4-row strip below and a 2-column strip beside, inside the others). Rows the dropped tiles did
+    not touch equal the diffusers-layout decode; the rest is the last tile's own decode, exactly."""
+    import ember.vae._decode as dec
+    vae = make_vae("wan21")
+    c = VaeSpec(vae).comp
+    monkeypatch.setattr(dec, "auto_tile", lambda spec, h, w: ((12 * c, 12 * c), (4 * c, 4 * c)))
+    tiles = []
+    real_reset = dec.StreamDecoder.reset
+    monkeypatch.setattr(dec.StreamDecoder, "reset", lambda self: tiles.append(1) or real_reset(self))
+    z = torch.randn(1, 4, 2, 20, 10)
+    out = ember.vae.decode(vae, z, progress=False)
+    n_auto = len(tiles) - 1  # decode resets once more on its way out
+    tiles.clear()
+    layout = ember.vae.decode(vae, z, tile=12 * c, overlap=4 * c, progress=False)
+    assert (n_auto, len(tiles) - 1) == (2, 6)
+    assert torch.equal(out[..., :16 * c, :8 * c], layout[..., :16 * c, :8 * c])
+    last = ember.vae.decode(vae, z[..., 8:, :], tile=False)
+    assert torch.equal(out[..., 16 * c:, :], last[..., 8 * c:, :])
+    assert psnr(out, diffusers_decode(vae, z)) > 20
+
+
 def test_auto_tiles_take_smaller_budget_only_when_nearly_free(monkeypatch):
     """auto_tile's choice keeps its history within the budget and decodes at most
     AUTO_MAX_EXTRA_WORK more latent pixels than the full budget's tiling; on some shapes it does

@@ -163,7 +163,8 @@ def auto_tile(spec: VaeSpec, h_lat: int, w_lat: int):
     / 4, / 2 and / 1 the smallest whose tiling decodes at most AUTO_MAX_EXTRA_WORK more latent pixels
     than the full budget's wins: smaller tiles for (almost) free. Wan2.1 at 480x832 thereby decodes in
     full-height strips (1.58 -> 1.08 GB peak, same 1.7 s on the H200); Wan2.2 at 704x1280 keeps its
-    2x2 tiles (its half-budget strips would decode 19% more pixels: measured 6.27 -> 6.98 s).
+    2x2 tiles (its half-budget strips would decode 19% more pixels: measured 6.27 -> 6.98 s, both
+    with diffusers' tile layout, before ``_Axis(trim=True)``).
     """
     per_px = _history_bytes_per_latent_px(spec.vae.decoder, torch.empty((), dtype=spec.dtype).element_size())
     full = _tiling(spec, h_lat, w_lat, per_px, AUTO_HISTORY_BYTES)
@@ -186,7 +187,7 @@ def _frames_per_chunk(arg: int | None = None) -> int | None:
     vae_wan2*_memory_sweep.json): 1 frame: Wan2.1 81x480x832 1.58 -> 1.16 GB but 1.67 -> 2.06 s;
     Wan2.2 121x704x1280 2.90 -> 2.22 GB, 5.83 -> 7.91 s (each 1-frame conv reads 2 frames of history
     for 1 new one, and launches quadruple). 2 frames: Wan2.1 (strips) 1.08 -> 0.90 GB, 1.74 -> 1.87 s;
-    Wan2.2 2.90 -> 2.45 GB, 6.27 -> 6.84 s."""
+    Wan2.2 2.90 -> 2.45 GB, 6.27 -> 6.84 s (Wan2.2 figures with diffusers' tile layout, 9 tiles)."""
     if arg is not None:
         if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
             raise ValueError(f"frames_per_chunk: expected None or a positive integer, got {arg!r}")

@@ -166,3 +166,15 @@ def residual_inv_rms(x_ptr, res_ptr, new_res_ptr, K, stride_xk, eps, store, BLOC
             tl.store(new_res_ptr + ks, h.to(new_res_ptr.dtype.element_ty), mask=ks < K)
         ss += h * h
     return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def bulk_prefetch_l2(addr, size):
+    """Hopper's ``cp.async.bulk.prefetch.L2``: ``size`` bytes at ``addr`` into L2, per lane where
+    size != 0 (addr 16-byte aligned, size a multiple of 16; sm_90+). Returns 0s: the caller must use
+    the result (e.g. a store masked on it != 0) or the asm is dropped."""
+    return tl.inline_asm_elementwise(
+        """{ .reg .pred p;
+        setp.ne.u32 p, $2, 0;
+        @p cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.u32 $0, 0; }""", "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)

@@ -79,7 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import pdl_options, pdl_start
+from ember.kernels._common import bulk_prefetch_l2, pdl_options, pdl_start
 
 ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
@@ -357,13 +357,25 @@ def _softmax_one_launch_kernel(x_ptr, out_ptr, stride_x, stride_out, V, P, n_pro
     tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
 
 
+@triton.jit
+def _chunk_to_l2(x_ptr, sink_ptr, row, B, V, stride_x, c, CHUNK: tl.constexpr, LANES: tl.constexpr,
+                 ESIZE: tl.constexpr):
+    """Bulk-prefetch chunk c of ``row`` (if < B) into L2 from one lane (16-byte multiple of bytes)."""
+    lane = tl.arange(0, LANES)
+    n_bytes = (tl.minimum(V - c * CHUNK, CHUNK) * ESIZE) // 16 * 16
+    n_bytes = tl.where((row < B) & (lane == 0), n_bytes, 0).to(tl.int32)
+    done = bulk_prefetch_l2(x_ptr + row * stride_x + c * CHUNK + lane * 0, n_bytes)
+    tl.store(sink_ptr + lane, done.to(tl.float32), mask=done != 0)  # never (keeps the asm alive)
+
+
 # B, P, R, spin_cap: no divisibility / == 1 specialisation (it would compile a variant per batch
 # size and buys nothing); the strides and V keep theirs (vectorised loads and masks)
 @triton.jit(do_not_specialize=["B", "P", "R", "spin_cap"])
 def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_ptr, s_ptr, bar_ptr, row_bar_ptr,
                           inv_t, spin_cap,
                           LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr, PREFETCH: tl.constexpr,
-                          FALLBACK_BLOCK: tl.constexpr, LD_POLL: tl.constexpr = False, PDL: tl.constexpr = False):
+                          FALLBACK_BLOCK: tl.constexpr, LD_POLL: tl.constexpr = False, PDL: tl.constexpr = False,
+                          LANES: tl.constexpr = 32, ESIZE: tl.constexpr = 4):
     """Softmax of MANY rows split over P programs each, in ONE persistent launch that reads x once.
 
     The grid is R * P programs, all resident at once (``wave_plan``: at most SM count x programs per
@@ -407,6 +419,10 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     polls -> CTA barrier -> partials read from L2).
     PREFETCH: the next row's chunk is loaded (raw, converted only in the next iteration so no
     instruction waits on it) right after the arrival, so the HBM read overlaps the barrier wait.
+    PREFETCH >= 2 also has one lane bulk-prefetch (``cp.async.bulk.prefetch.L2``) the chunk PREFETCH
+    rows ahead into L2: more bytes in flight per SM than registers allow, and the register load of
+    that row later hits L2 (2: 96.5 -> 92.4 us at [256, 128256] fp32, 66% -> 68% of copy bandwidth;
+    the default). Still short of 80%: what remains is the barrier's round trip per wave.
     A program that polls ``spin_cap`` times without seeing its siblings recomputes the row's max and
     sum from the whole row (exact, slow) and counts it in ``bar_ptr[1]``; the next row's barrier is
     its own counter, unaffected.
@@ -420,6 +436,8 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     n_rows = (B - r + R - 1) // R          # host guarantees R <= B, so r < B and n_rows >= 1
     row = r.to(tl.int64)
     xr = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf"))
+    for d in tl.static_range(2, PREFETCH):  # the L2 prefetch's first rows
+        _chunk_to_l2(x_ptr, m_ptr, row + d * R, B, V, stride_x, c, CHUNK, LANES, ESIZE)
     for i in range(0, n_rows):
         row = (r + i * R).to(tl.int64)
         z = xr.to(tl.float32) * inv_t
@@ -435,6 +453,8 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
         nxt_mask = cols < tl.where(nxt < B, V, 0)
         if PREFETCH:
             xr = tl.load(x_ptr + nxt * stride_x + cols, mask=nxt_mask, other=-float("inf"))
+        if PREFETCH >= 2:  # and the chunk PREFETCH rows ahead into L2 (one bulk prefetch, no registers)
+            _chunk_to_l2(x_ptr, m_ptr, row + PREFETCH * R, B, V, stride_x, c, CHUNK, LANES, ESIZE)
         gave_up = _barrier_wait(row_bar_ptr + row, v, add, spin_cap, LD_POLL)
         tl.debug_barrier()
         M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
@@ -1307,7 +1327,9 @@ class WaveConfig(NamedTuple):
     chunk: int     # elements per program (power of 2, held in registers)
     warps: int     # num_warps per program
     per_sm: int    # programs resident per SM (the register cap below makes them fit)
-    prefetch: int  # 1: load the next row's chunk before waiting at the row barrier
+    prefetch: int  # 1: load the next row's chunk before waiting at the row barrier; d >= 2: that,
+                   # and a bulk prefetch into L2 of the chunk d rows ahead (sm_90+, 16-byte aligned
+                   # rows; else 1): H200 2 -> 3.5% faster, 3+ slower (sampling_waves_l2_sweep.json)
     lag: int = 0   # 1 or 2: ``_softmax_lagged_kernel``, the barrier this many rows behind (prefetch 0)
 
     def max_registers(self) -> int:
@@ -1318,8 +1340,11 @@ class WaveConfig(NamedTuple):
 # Measured best (H200, ember.bench.sampling.wave_sweep, [256, 128256] fp32): 93.6 us, 67.5% of copy
 # bandwidth, vs 114.4 us for 16384,16,1,1 and 107.9 us for two launches. 4096,4,4,1 ties (93.5 us)
 # with twice the programs; two programs of 8 warps per SM, 32 + 32 (prefetch) registers of chunk per
-# thread under the 128 cap, no spills.
-WAVES_DEFAULT = WaveConfig(8192, 8, 2, 1)
+# thread under the 128 cap, no spills. With the chunk two rows ahead bulk-prefetched into L2 as well
+# (prefetch 2): 92.1-93.2 us against 96.2-96.8 for prefetch 1 in the same runs (three pairs;
+# sampling_waves_l2_sweep.json); 3 rows ahead 103 us, 4-8 rows 108 us (L2 holds 16 rows in flight x
+# 513 KB per row ahead: from 3 ahead the prefetched rows start evicting each other).
+WAVES_DEFAULT = WaveConfig(8192, 8, 2, 2)
 
 
 def wave_config() -> WaveConfig:
@@ -1334,11 +1359,11 @@ def wave_config() -> WaveConfig:
         cfg = None
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     if (cfg is None or not pow2(cfg.chunk) or not 1024 <= cfg.chunk <= ROW_BLOCK_MAX or not pow2(cfg.warps)
-            or cfg.warps > 32 or cfg.per_sm < 1 or cfg.per_sm * cfg.warps > 64 or cfg.prefetch not in (0, 1)
+            or cfg.warps > 32 or cfg.per_sm < 1 or cfg.per_sm * cfg.warps > 64 or not 0 <= cfg.prefetch <= 8
             or cfg.lag not in (0, 1, 2) or (cfg.lag and cfg.prefetch)):
         raise ValueError("EMBER_SOFTMAX_WAVES: expected 'CHUNK,WARPS,PER_SM,PREFETCH[,LAG]' with CHUNK a power of 2 "
                          f"in [1024, {ROW_BLOCK_MAX}], WARPS a power of 2 <= 32, PER_SM * WARPS <= 64 (2048 threads "
-                         f"per SM), PREFETCH 0 or 1, LAG 0, 1 or 2 (LAG > 0 needs PREFETCH 0); got {text!r}")
+                         f"per SM), PREFETCH 0..8 (>= 2: also an L2 bulk prefetch that many rows ahead), LAG 0, 1 or 2 (LAG > 0 needs PREFETCH 0); got {text!r}")
     return cfg
 
 
@@ -1378,9 +1403,17 @@ def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: 
     return _softmax_waves_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
                                     barrier, row_barrier, 1.0 / temperature, spin_cap,
                                     LOG=log, CHUNK=cfg.chunk, PB=max(2, triton.next_power_of_2(P)),
-                                    PREFETCH=cfg.prefetch, FALLBACK_BLOCK=min(cfg.chunk, 2048),
+                                    PREFETCH=cfg.prefetch if cfg.prefetch < 2 or _bulk_ok(x2) else 1,
+                                    LANES=32 * cfg.warps, ESIZE=x2.element_size(), FALLBACK_BLOCK=min(cfg.chunk, 2048),
                                     LD_POLL=x2.device.type == "cuda", num_warps=cfg.warps,
                                     maxnreg=cfg.max_registers(), **pdl_options(x2.device))
+
+
+def _bulk_ok(x2: torch.Tensor) -> bool:
+    """Whether the L2 bulk prefetch (PREFETCH 2) can address x2's chunks: 16-byte aligned rows, sm_90+."""
+    es = x2.element_size()
+    return (x2.data_ptr() % 16 == 0 and x2.stride(0) * es % 16 == 0 and x2.device.type == "cuda"
+            and torch.cuda.get_device_capability(x2.device)[0] >= 9)
 
 
 def softmax_path(B: int, V: int, sms: int, one_launch: bool, cfg: WaveConfig | None = None) -> tuple:

@@ -189,7 +189,7 @@ def test_wave_config_env_and_register_cap(monkeypatch):
     monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "8192,8,2,0,2")
     assert k.wave_config() == (8192, 8, 2, 0, 2) and k.wave_config().lag == 2
     for bad in ("8192,8,2", "3000,8,1,1", "512,4,1,0", "32768,16,1,1", "8192,6,1,1", "8192,16,8,1",
-                "8192,8,0,1", "8192,8,1,2", "8192,8,2,1,1", "8192,8,2,0,3", "8192,8,2,0,1,1", "fast"):
+                "8192,8,0,1", "8192,8,1,9", "8192,8,2,1,1", "8192,8,2,0,3", "8192,8,2,0,1,1", "fast"):
         monkeypatch.setenv("EMBER_SOFTMAX_WAVES", bad)
         with pytest.raises(ValueError, match="EMBER_SOFTMAX_WAVES.*" + bad):
             k.wave_config()
@@ -201,7 +201,7 @@ def test_softmax_path_by_shape(monkeypatch):
     assert k.softmax_path(300, 16384, 132, True) == ("row",)
     assert k.softmax_path(4, 128256, 132, True) == ("grid", 4096, 32)
     assert k.softmax_path(16, 128256, 132, True) == ("grid", 16384, 8)      # 128 programs
-    assert k.WAVES_DEFAULT == k.WaveConfig(8192, 8, 2, 1)                 # the measured best
+    assert k.WAVES_DEFAULT == k.WaveConfig(8192, 8, 2, 2)                 # the measured best
     assert k.softmax_path(17, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 16, 9)  # 2 waves
     assert k.softmax_path(256, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 16, 16)
     assert k.softmax_path(256, 128256, 132, False) == ("two",)              # EMBER_SOFTMAX_ONE_LAUNCH=0
@@ -376,6 +376,26 @@ def test_gpu_softmax_waves_configs(cuda, monkeypatch, config):
         exp = (torch.log_softmax if log else torch.softmax)(x.double() / 0.9, -1)
         torch.testing.assert_close(got.double(), exp, **(LOG_SOFTMAX_TOL if log else SOFTMAX_TOL))
     assert len(calls) == 2 and k.barrier_give_ups(x.device) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 8, 3])
+def test_gpu_softmax_waves_l2_prefetch_alignment(cuda, monkeypatch, offset):
+    """PREFETCH >= 2 bulk-prefetches 16-byte aligned chunks; rows that are not aligned (offset 3 fp32
+    elements) take the register prefetch alone. Exact either way, and the same bits as prefetch 1."""
+    k = _k()
+    base = torch.randn(40, 128256 + 16, device=cuda) * 4
+    x = base[:, offset:offset + 128256]
+    assert k._bulk_ok(x) == (offset % 4 == 0)
+    calls = _count_wave_launches(monkeypatch, k)
+    outs = []
+    for config in ("8192,8,2,1", "8192,8,2,2", "4096,4,4,2"):
+        monkeypatch.setenv("EMBER_SOFTMAX_WAVES", config)
+        outs.append(ember.ops.softmax(x))
+    assert len(calls) == 3
+    torch.testing.assert_close(outs[1].double(), torch.softmax(x.double(), -1), **SOFTMAX_TOL)
+    assert torch.equal(outs[0], outs[1])
+    assert k.barrier_give_ups(x.device) == 0
 
 
 @pytest.mark.gpu

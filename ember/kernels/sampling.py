@@ -65,6 +65,8 @@ Where the one-launch sampler's time goes (H200 [1, 128256] T 0.7 / top-k 50 / to
 1.0 us, grid barrier 1.0, row statistics 0.7, candidate bound (sort of the 126 chunk maxima) 1.1,
 append (one relaxed reservation atomic, ~50 of the 126 programs) 1.15, arrival 0.7, the last
 program's selection 2.0 (sort of 128; 3.8 with the 512 sort). An acq_rel reservation: 8.7 us.
+Top-k rows then stopped reading the row statistics after the barrier (``_topk_sample``: the bound and
+the row max come from the piece maxima, the mass from the candidates): 8.60 -> 7.75 us.
 Thresholds by counting ([n, n] comparisons in registers instead of sorts) measured slower: bound
 2.2 us, selection 6.2 us.
 """
@@ -974,6 +976,51 @@ def _piece_maxima_exact(xrow, V, t, n_pieces, PIECE: tl.constexpr, QB: tl.conste
 
 
 @triton.jit
+def _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, out_ptr, t, t1, k, p, minp, seed,
+                 cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SUB: tl.constexpr, QB: tl.constexpr,
+                 CHUNK: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
+                 SMALL_SORT: tl.constexpr, RESERVE_SEM: tl.constexpr):
+    """``_sample_row`` after the barrier for a top-k row (k > 0, t > 0): program c holds chunk z of
+    max m. The bound L (k-th largest piece max) and the row max M come from the published piece
+    maxima alone: the candidates decide tau_k, tau_p and the mass they are taken against. H200
+    [1, 128256] T 0.7 / top-k 50 / top-p 0.9, same-run A/B (sampler_ab_topk_skip.json): 8.60 -> 7.75 us
+    without the row statistics' read (top-p alone 16.42 -> 16.75 us in the same runs: the kernel's
+    code changed around it; temperature alone unchanged)."""
+    iq = tl.arange(0, QB)
+    if gave_up:
+        piece_max = _piece_maxima_exact(x_ptr + row * stride_x, V, t1, P * SUB, CHUNK // SUB, QB)
+    else:
+        piece_max = tl.load(ms_ptr + row * P * SUB + iq, mask=iq < P * SUB, other=-float("inf"),
+                            cache_modifier=".cg")
+    M = tl.max(piece_max, axis=0)
+    L = _candidate_bound(piece_max, k, p, P * SUB, V, QB, CAP, KC)
+    # only the programs holding candidates (chunk max >= L) append and arrive, each with two
+    # atomics on the row's counter: + its candidate count (the low 32 bits reserve its slots),
+    # then + 1 << 32 (arrival, releasing its stores). The last sender sees every reservation
+    # in the value its arrival returns. No sender (L = +inf: the fallback) -> program 0 finishes.
+    # A chunk sends when one of its SUB pieces reaches L.
+    chunk_max = tl.max(tl.reshape(piece_max, [QB // SUB, SUB]), axis=1)
+    sends = (chunk_max >= L) & (chunk_max > -float("inf"))
+    senders = tl.sum(sends.to(tl.int32), axis=0)
+    mine = (m >= L) & (m > -float("inf"))
+    n = 0
+    finish = (senders == 0) & (c == 0)
+    if mine:
+        _append_candidates(z, cols, inb, L, cnt_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP, True, RESERVE_SEM)
+        tl.debug_barrier()  # the candidate stores precede the release below
+        old = tl.atomic_add(cnt_ptr + row, 1 << 32, sem="acq_rel", scope="gpu")
+        finish = (old >> 32) == senders - 1
+        n = (old & 0xFFFFFFFF).to(tl.int32)
+    if finish:
+        tl.debug_barrier()
+        # Z: unused for k > 0 (the mass is the candidates'); 1.0 keeps the expressions finite
+        tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, 1.0, L, n, cand_z_ptr, cand_i_ptr,
+                               seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
+        tl.store(cnt_ptr + row, 0)
+        tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+@triton.jit
 def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,
                 t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar, seed_ptr, seed_scalar,
                 offset_ptr, pg_ptr, pn_ptr, round_bar_ptr, round_bar_stride, row_bar_ptr, bar_ptr, cnt_ptr,
@@ -1012,91 +1059,70 @@ def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_
     v = tl.atomic_add(bar_at, add, sem="acq_rel", scope="gpu")
     gave_up = _barrier_wait(bar_at, v, add, spin_cap, LD_POLL)
     tl.debug_barrier()
-    M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")
-    if gave_up:  # the whole row from HBM (slow, exact, counted)
-        M, Z, first_max, chunk_max = _row_stats_exact(xrow, V, t1, P, CHUNK, PB)
-        tl.atomic_add(bar_ptr + 1, 1)
-    else:
-        first_max = tl.load(a_ptr + row * P + first_chunk, cache_modifier=".cg", mask=t == 0.0, other=0)
     if OFFSET_TENSOR & (not WAVES):
         if first_prog:  # every program read it before arriving at the grid barrier
             tl.store(offset_ptr, off + 1)
-    if t == 0.0:  # greedy row: the first index of the max logit
-        if c == 0:
-            tl.store(out_ptr + row, first_max.to(tl.int64))
-    elif (k == 0) & (p >= 1.0):
-        tl.store(slot_ptr + row * P + c, _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK))
-        tl.debug_barrier()  # the slot store precedes the release below
-        if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:
-            tl.debug_barrier()
-            i = tl.arange(0, PB)
-            packed = tl.max(tl.load(slot_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"),
-                            axis=0)
-            tl.store(cnt_ptr + row, 0)
-            tl.store(out_ptr + row, _token(packed).to(tl.int64))
-    elif k == 0:  # top-p alone: the distributed nucleus search (_nucleus_bracket)
-        e = tl.where(z > -float("inf"), tl.exp(z - M), 0.0)
-        lo, hi, g_hi, Zn, n_br = _nucleus_bracket(z, e, xrow, V, t1, M, Z, p, row, c, P, pg_ptr, pn_ptr, round_bar_ptr,
-                                                  round_bar_stride, bar_ptr, spin_cap, CHUNK, PB, NB, ROUNDS, CAP,
-                                                  SUB > 1, LD_POLL)
-        # the values >= hi are in the nucleus whatever its threshold: each program races its own;
-        # the bracket's values go to the list, for the row's last program to cut and race
-        tl.store(slot_ptr + row * P + c, _chunk_race(z, cols, inb & (z >= hi), M, minp, seed, row, off, c, CHUNK))
-        searched = n_br <= CAP
-        in_br = inb & (z >= lo) & (z < tl.where(searched, hi, lo))   # empty when not searched
-        if tl.max(in_br.to(tl.int32), axis=0) > 0:
-            _append_candidates(z, cols, in_br, -float("inf"), cnt_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP, True,
-                               RESERVE_SEM)
-        tl.debug_barrier()  # slot and list stores precede the arrival (release) below
-        old = tl.atomic_add(cnt_ptr + row, 1 << 32, sem="acq_rel", scope="gpu")
-        if (old >> 32) == P - 1:
-            tl.debug_barrier()
-            listed = (old & 0xFFFFFFFF).to(tl.int32)
-            i = tl.arange(0, PB)
-            won = tl.max(tl.load(slot_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"), axis=0)
-            bracketed = searched & (listed <= CAP)
-            if bracketed:
-                cw, cm = _race_list(cand_z_ptr, cand_i_ptr, listed, row, 0, p, minp, M, Zn, g_hi, seed, off, CAP,
-                                    SMALL_SORT)
-                won = tl.maximum(won, cw)
-            # no bracket within ROUNDS (ties wider than CAP), or no survivor (a rounding at a bracket
-            # edge): the exact bisection over the row
-            if (bracketed == 0) | ((won >> 32) <= _ordered_key(M * 0.0 - float("inf")).to(tl.int64)):
-                tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off, FALLBACK_BLOCK)
-            else:
-                tok = _token(won)
-            tl.store(out_ptr + row, tok.to(tl.int64))
-            tl.store(cnt_ptr + row, 0)
+    if gave_up:
+        tl.atomic_add(bar_ptr + 1, 1)
+    if (k > 0) & (t != 0.0):
+        # top-k (and top-p after it): the thresholds come from the candidates alone, so the row's
+        # max and sum (_combine_stats, one more dependent read of the partials) are not needed
+        _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, out_ptr, t, t1, k, p, minp,
+                     seed, cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SUB, QB, CHUNK, CAP, KC, FALLBACK_BLOCK,
+                     SMALL_SORT, RESERVE_SEM)
     else:
-        iq = tl.arange(0, QB)
-        if gave_up:
-            piece_max = _piece_maxima_exact(xrow, V, t1, P * SUB, CHUNK // SUB, QB)
+        M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")
+        if gave_up:  # the whole row from HBM (slow, exact, counted above)
+            M, Z, first_max, chunk_max = _row_stats_exact(xrow, V, t1, P, CHUNK, PB)
         else:
-            piece_max = tl.load(ms_ptr + row * P * SUB + iq, mask=iq < P * SUB, other=-float("inf"),
-                                cache_modifier=".cg")
-        L = _candidate_bound(piece_max, k, p, P * SUB, V, QB, CAP, KC)
-        # only the programs holding candidates (chunk max >= L) append and arrive, each with two
-        # atomics on the row's counter: + its candidate count (the low 32 bits reserve its slots),
-        # then + 1 << 32 (arrival, releasing its stores). The last sender sees every reservation
-        # in the value its arrival returns. No sender (L = +inf: the fallback) -> program 0 finishes.
-        sends = (chunk_max >= L) & (chunk_max > -float("inf"))
-        senders = tl.sum(sends.to(tl.int32), axis=0)
-        mine = (m >= L) & (m > -float("inf"))
-        n = 0
-        finish = (senders == 0) & (c == 0)
-        if mine:
-            _append_candidates(z, cols, inb, L, cnt_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP, True,
-                               RESERVE_SEM)
-            tl.debug_barrier()  # the candidate stores precede the release below
+            first_max = tl.load(a_ptr + row * P + first_chunk, cache_modifier=".cg", mask=t == 0.0, other=0)
+        if t == 0.0:  # greedy row: the first index of the max logit
+            if c == 0:
+                tl.store(out_ptr + row, first_max.to(tl.int64))
+        elif (k == 0) & (p >= 1.0):
+            tl.store(slot_ptr + row * P + c, _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK))
+            tl.debug_barrier()  # the slot store precedes the release below
+            if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:
+                tl.debug_barrier()
+                i = tl.arange(0, PB)
+                packed = tl.max(tl.load(slot_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"),
+                                axis=0)
+                tl.store(cnt_ptr + row, 0)
+                tl.store(out_ptr + row, _token(packed).to(tl.int64))
+        elif k == 0:  # top-p alone: the distributed nucleus search (_nucleus_bracket)
+            e = tl.where(z > -float("inf"), tl.exp(z - M), 0.0)
+            lo, hi, g_hi, Zn, n_br = _nucleus_bracket(z, e, xrow, V, t1, M, Z, p, row, c, P, pg_ptr, pn_ptr,
+                                                      round_bar_ptr, round_bar_stride, bar_ptr, spin_cap, CHUNK, PB,
+                                                      NB, ROUNDS, CAP, SUB > 1, LD_POLL)
+            # the values >= hi are in the nucleus whatever its threshold: each program races its own;
+            # the bracket's values go to the list, for the row's last program to cut and race
+            tl.store(slot_ptr + row * P + c, _chunk_race(z, cols, inb & (z >= hi), M, minp, seed, row, off, c, CHUNK))
+            searched = n_br <= CAP
+            in_br = inb & (z >= lo) & (z < tl.where(searched, hi, lo))   # empty when not searched
+            if tl.max(in_br.to(tl.int32), axis=0) > 0:
+                _append_candidates(z, cols, in_br, -float("inf"), cnt_ptr + row, cand_z_ptr, cand_i_ptr, row, CAP, True,
+                                   RESERVE_SEM)
+            tl.debug_barrier()  # slot and list stores precede the arrival (release) below
             old = tl.atomic_add(cnt_ptr + row, 1 << 32, sem="acq_rel", scope="gpu")
-            finish = (old >> 32) == senders - 1
-            n = (old & 0xFFFFFFFF).to(tl.int32)
-        if finish:
-            tl.debug_barrier()
-            tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
-                                   seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
-            tl.store(cnt_ptr + row, 0)
-            tl.store(out_ptr + row, tok.to(tl.int64))
+            if (old >> 32) == P - 1:
+                tl.debug_barrier()
+                listed = (old & 0xFFFFFFFF).to(tl.int32)
+                i = tl.arange(0, PB)
+                won = tl.max(tl.load(slot_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"), axis=0)
+                bracketed = searched & (listed <= CAP)
+                if bracketed:
+                    cw, cm = _race_list(cand_z_ptr, cand_i_ptr, listed, row, 0, p, minp, M, Zn, g_hi, seed, off, CAP,
+                                        SMALL_SORT)
+                    won = tl.maximum(won, cw)
+                # no bracket within ROUNDS (ties wider than CAP), or no survivor (a rounding at a bracket
+                # edge): the exact bisection over the row
+                if (bracketed == 0) | ((won >> 32) <= _ordered_key(M * 0.0 - float("inf")).to(tl.int64)):
+                    tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off,
+                                                    FALLBACK_BLOCK)
+                else:
+                    tok = _token(won)
+                tl.store(out_ptr + row, tok.to(tl.int64))
+                tl.store(cnt_ptr + row, 0)
 
 
 @triton.jit(do_not_specialize=["B", "G", "t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar",
@@ -1363,7 +1389,8 @@ def wave_config() -> WaveConfig:
             or cfg.lag not in (0, 1, 2) or (cfg.lag and cfg.prefetch)):
         raise ValueError("EMBER_SOFTMAX_WAVES: expected 'CHUNK,WARPS,PER_SM,PREFETCH[,LAG]' with CHUNK a power of 2 "
                          f"in [1024, {ROW_BLOCK_MAX}], WARPS a power of 2 <= 32, PER_SM * WARPS <= 64 (2048 threads "
-                         f"per SM), PREFETCH 0..8 (>= 2: also an L2 bulk prefetch that many rows ahead), LAG 0, 1 or 2 (LAG > 0 needs PREFETCH 0); got {text!r}")
+                         f"per SM), PREFETCH 0..8 (>= 2: also an L2 bulk prefetch that many rows ahead), LAG 0, 1 "
+                         f"or 2 (LAG > 0 needs PREFETCH 0); got {text!r}")
     return cfg
 
 

@@ -13,6 +13,7 @@ peak_reserved_GB the same for the memory the allocator held (its cache and any C
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -34,6 +35,10 @@ TINY = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, latent
 # binds, does not (it would cost 9%: vae_wan22_memory_sweep.json).
 DECODES = [("wan22_121x704x1280_bf16", "wan22", 121, 704, 1280, 4.0, 3.0, None),
            ("wan21_81x480x832_bf16", "wan21", 81, 480, 832, 2.0, 1.0, 2)]
+
+# encode rows (informational, no target): (row name, config, frames, height, width)
+ENCODES = [("wan22_encode_121x704x1280_bf16", "wan22", 121, 704, 1280),
+           ("wan21_encode_81x480x832_bf16", "wan21", 81, 480, 832)]
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -154,6 +159,54 @@ def decode_row(ctx: BenchContext, name, cfg, frames, h, w, t_target, gb_target, 
     return row, pad_calls
 
 
+def diffusers_encode(vae, x, tiled: bool):
+    if tiled:
+        vae.enable_tiling()  # diffusers' defaults: 256 px tiles, 192 px stride
+    else:
+        vae.disable_tiling()
+    return vae.encode(x).latent_dist
+
+
+def encode_row(ctx: BenchContext, name, cfg, frames, h, w) -> Row:
+    """ember.vae.encode (auto tiles) of a random [-1, 1] video vs diffusers' encode, untiled and
+    tiled; quality: PSNR of ember's posterior mean against the untiled one's (peak = its range)."""
+    dtype = torch.bfloat16
+    vae = build_vae(cfg, ctx.device, dtype, tiny=ctx.quick)
+    x = (torch.rand(1, 3, frames, h, w, device=ctx.device) * 2 - 1).to(dtype)
+    results = {}
+    for tiled in (False, True):
+        ctx.progress(f"{name}: diffusers {'tiled' if tiled else 'untiled'}")
+        with torch.no_grad():
+            diffusers_encode(vae, x[:, :, :5], tiled)  # warm-up
+        post, s, gb, rgb = timed(lambda: diffusers_encode(vae, x, tiled), ctx.device)
+        if not tiled:
+            reference = post.mean
+        results[tiled] = (s, gb, rgb)
+        del post
+    ctx.progress(f"{name}: ember")
+    ember.vae.encode(vae, x[:, :, :5], progress=False)  # warm-up
+    post, s, gb, rgb = timed(lambda: ember.vae.encode(vae, x, progress=False), ctx.device)
+    ref = reference.double()
+    mse = ((post.mean.double() - ref) ** 2).mean().item()
+    peak = (ref.max() - ref.min()).item()
+    quality = float("inf") if mse == 0 else 10 * math.log10(peak ** 2 / mse)
+    del post, reference, ref, vae, x
+    if ctx.on_gpu:
+        torch.cuda.empty_cache()
+    (du_s, du_gb, du_rgb), (dt_s, dt_gb, dt_rgb) = results[False], results[True]
+    return Row(name, "s", s, du_s, "diffusers 0.42.1 AutoencoderKLWan.encode, untiled", target="informational",
+               extra={"peak_GB": gb, "peak_reserved_GB": rgb, "diffusers_untiled_s": du_s,
+                      "diffusers_untiled_peak_GB": du_gb, "diffusers_untiled_peak_reserved_GB": du_rgb,
+                      "diffusers_tiled_s": dt_s, "diffusers_tiled_peak_GB": dt_gb,
+                      "diffusers_tiled_peak_reserved_GB": dt_rgb, "speedup_vs_diffusers_tiled": dt_s / s,
+                      "psnr_mean_vs_diffusers_untiled_db": quality})
+
+
+def encode_rows(ctx: BenchContext) -> list[Row]:
+    encodes = ENCODES if not ctx.quick else [("wan21_encode_tiny_9x64x96_bf16", "wan21", 9, 64, 96)]
+    return [encode_row(ctx, *e) for e in encodes]
+
+
 def pad_copies_row(ctx: BenchContext, diffusers_calls: int) -> Row:
     """F.pad calls during ember's Wan2.2 decode (a small one: the count does not depend on size)."""
     vae = build_vae("wan22", ctx.device, torch.bfloat16, tiny=ctx.quick)
@@ -204,4 +257,5 @@ def run(ctx: BenchContext, tiles: dict | None = None) -> list[Row]:
         if cfg == "wan22" or ctx.quick:
             wan22_pads = pads
     rows.append(pad_copies_row(ctx, wan22_pads))
+    rows.extend(encode_rows(ctx))
     return rows

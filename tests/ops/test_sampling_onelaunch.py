@@ -177,6 +177,18 @@ def test_wave_plan_balanced_waves_within_the_slots():
                     assert (waves - 1) * R < B and B <= waves * R          # no empty wave
 
 
+def test_sample_warps_default_and_env(monkeypatch):
+    k = _k()
+    monkeypatch.delenv("EMBER_SAMPLE_WARPS", raising=False)
+    assert (k._sample_warps(1024, 1), k._sample_warps(1024, 8)) == (4, 8)
+    monkeypatch.setenv("EMBER_SAMPLE_WARPS", "8")
+    assert k._sample_warps(1024, 1) == 8
+    for bad in ("3", "0", "eight"):
+        monkeypatch.setenv("EMBER_SAMPLE_WARPS", bad)
+        with pytest.raises(ValueError, match="EMBER_SAMPLE_WARPS: expected 1, 2, 4, 8 or 16, got '" + bad):
+            k._sample_warps(1024, 1)
+
+
 def test_wave_config_env_and_register_cap(monkeypatch):
     k = _k()
     monkeypatch.delenv("EMBER_SOFTMAX_WAVES", raising=False)

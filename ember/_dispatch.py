@@ -7,7 +7,10 @@ Rules (ARCHITECTURE.md, "Dispatch"):
     imported, because ``triton.jit`` reads it when a kernel is defined). This is how CI tests
     kernels on machines without a GPU. The interpreter must be on before Triton is first imported
     in the process; test suites on CPU-only machines set ``TRITON_INTERPRET=1`` at start-up.
-  * anything else (CPU, MPS, no Triton)    -> the reference implementation.
+  * anything else (CPU, MPS, no Triton)    -> the reference implementation. That includes AMD GPUs
+    under a ROCm build of torch (their tensors also say "cuda"): the kernels are written and tested
+    for NVIDIA GPUs only (inline PTX, Hopper's dependent launch, float8_e4m3fn), so there the ops
+    run their plain-PyTorch reference on the GPU and ``ember doctor`` says so.
 
 Triton is imported lazily, so ``import ember`` works where Triton does not exist (macOS, Windows).
 """
@@ -50,12 +53,17 @@ def triton_available() -> bool:
     return triton_import_error() is None
 
 
+def rocm() -> bool:
+    """Whether this torch is a ROCm (AMD GPU) build, whose "cuda" device is an AMD GPU."""
+    return getattr(torch.version, "hip", None) is not None
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether an op on tensor ``t`` should take the Triton path."""
     if not triton_available():
         return False
     if t.device.type == "cuda":
-        return True
+        return not rocm()
     return t.device.type == "cpu" and force_triton()
 
 

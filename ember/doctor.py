@@ -34,6 +34,9 @@ FAMILIES = {
 # Families whose fast path needs more than "a GPU Triton can compile for".
 FP8_TENSOR_CORE_MIN_CC = (8, 9)
 PDL_MIN_CC = (9, 0)  # programmatic dependent launch (Hopper+), as kernels._common.use_pdl decides
+ROCM_WHY = ("AMD GPU (ROCm build of torch): ember's Triton kernels target NVIDIA GPUs (inline PTX, dependent "
+            "launch, float8_e4m3fn) and are untested on ROCm, so the op runs its reference (plain PyTorch) path "
+            "on the GPU")
 
 
 def probe_cuda() -> dict:
@@ -103,6 +106,8 @@ def _family_path(module: str, cuda: dict, triton_info: dict) -> dict:
         return {"path": "unavailable", "why": f"not in this ember build ({e})"}
     if not cuda["available"]:
         return {"path": "reference", "why": "no CUDA device: the op runs on the reference (plain PyTorch) path"}
+    if _dispatch.rocm():
+        return {"path": "reference", "why": ROCM_WHY}
     if not triton_info["importable"]:
         return {"path": "reference", "why": f"Triton cannot be imported ({triton_info['error']})"}
     if not triton_info["runs_kernel"]:
@@ -130,7 +135,9 @@ def doctor() -> dict:
         notes.append(f"torch warned while probing CUDA: {cuda['warning'].strip()}")
     if not cuda["available"]:
         notes.append("no CUDA device: ops run on the reference path")
-    for d in cuda["devices"]:
+    if cuda["available"] and _dispatch.rocm():
+        notes.append(ROCM_WHY)
+    for d in (cuda["devices"] if not _dispatch.rocm() else []):  # sm_ capabilities: NVIDIA only
         cc = tuple(d["capability"])
         if cc >= FP8_TENSOR_CORE_MIN_CC:
             notes.append(f"{d['name']} (sm_{cc[0]}{cc[1]}): FP8 tensor-core kernels enabled")

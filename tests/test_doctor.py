@@ -42,6 +42,25 @@ def test_h200_like_machine(monkeypatch):
     assert any("FP8 tensor-core kernels enabled" in n for n in r["notes"])
 
 
+def test_rocm_gpu_takes_the_reference_path_and_says_why(monkeypatch):
+    """A ROCm build's "cuda" device is an AMD GPU: no Triton kernels there (NVIDIA PTX inside), the
+    reference path on the GPU, and doctor names the reason instead of sm_ notes."""
+    from types import SimpleNamespace
+
+    from ember import _dispatch
+    cuda_tensor = SimpleNamespace(device=torch.device("cuda"))
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert _dispatch.use_triton(cuda_tensor) == _dispatch.triton_available()
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    assert _dispatch.rocm() and not _dispatch.use_triton(cuda_tensor)
+    monkeypatch.setattr(doc, "probe_cuda", lambda: _cuda((9, 4), "AMD Instinct MI300X"))
+    monkeypatch.setattr(doc, "probe_triton", _triton_ok)
+    r = doc.doctor()
+    assert r["families"]["norm"] == {"path": "reference", "why": doc.ROCM_WHY}
+    assert doc.ROCM_WHY in r["notes"] and "AMD GPU (ROCm build of torch)" in doc.ROCM_WHY
+    assert not any("sm_94" in n or "tensor-core" in n for n in r["notes"])
+
+
 def test_old_gpu_says_why_fp8_tensor_cores_are_off(monkeypatch):
     monkeypatch.setattr(doc, "probe_cuda", lambda: _cuda((8, 0), "NVIDIA A100"))
     monkeypatch.setattr(doc, "probe_triton", _triton_ok)

@@ -204,6 +204,34 @@ def test_axis_trim_drops_the_tile_inside_the_last_one():
     assert _Axis(45, 24 * c, 4 * c, spec, True, trim=True).starts == [0, 20, 40]  # 21 rows left: needed
 
 
+@pytest.mark.parametrize("patch", [1, 2])
+def test_axis_kept_rows_partition_the_output(patch):
+    """Both layouts: origins increase from 0, every tile starts inside the latent, and the rows the
+    tiles keep (clipped at the edge) cover the decoder output exactly once; trimmed, only the last
+    tile reaches the edge."""
+    from types import SimpleNamespace
+
+    from ember.vae._decode import _Axis
+    comp = 8 * patch
+    spec = SimpleNamespace(comp=comp, patch=patch, comp_out=comp // patch)
+    for n in range(1, 70):
+        for tile in range(1, 40):
+            for overlap in range(0, tile // 2 + 1):
+                for trim in (False, True):
+                    ax = _Axis(n, tile * comp, overlap * comp, spec, True, trim=trim)
+                    starts = ax.starts
+                    assert starts[0] == 0 and all(a < b < n for a, b in zip(starts, starts[1:]))
+                    assert starts[-1] + tile >= n
+                    if trim:
+                        assert all(s + tile < n for s in starts[:-1]) and starts[-1] + tile >= n
+                    covered = []
+                    for i, s in enumerate(starts):
+                        r0 = i * ax.stride_o
+                        assert r0 == s * spec.comp_out
+                        covered += range(r0, min(r0 + ax.keep_o(i), n * spec.comp_out, r0 + tile * spec.comp_out))
+                    assert covered == list(range(n * spec.comp_out)), (n, tile, overlap, trim)
+
+
 def test_auto_tiles_skip_diffusers_redundant_edge_tiles(monkeypatch):
     """Auto tiles decode 20 x 10 latents as 2 tiles where diffusers' layout of the same tiles takes 6
     (a 4-row strip below and a 2-column strip beside, inside the others). Rows the dropped tiles did

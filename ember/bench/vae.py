@@ -99,12 +99,26 @@ def timed(fn, device) -> tuple[object, float, float, float]:
             (torch.cuda.max_memory_reserved() - base) / 1e9)
 
 
-def diffusers_decode(vae, z, tiled: bool):
+def _diffusers_tiling(vae, tiled: bool):
     if tiled:
         vae.enable_tiling()  # diffusers' defaults: 256 px tiles, 192 px stride
     else:
         vae.disable_tiling()
-    return vae.decode(z).sample
+    return vae
+
+
+def diffusers_decode(vae, z, tiled: bool):
+    return _diffusers_tiling(vae, tiled).decode(z).sample
+
+
+def _baseline_fields(results: dict) -> dict:
+    """The row fields of diffusers' untiled (results[False]) and tiled (results[True]) runs."""
+    fields = {}
+    for tiled, kind in ((False, "untiled"), (True, "tiled")):
+        s, gb, rgb = results[tiled]
+        fields.update({f"diffusers_{kind}_s": s, f"diffusers_{kind}_peak_GB": gb,
+                       f"diffusers_{kind}_peak_reserved_GB": rgb})
+    return fields
 
 
 def decode_row(ctx: BenchContext, name, cfg, frames, h, w, t_target, gb_target, tile=None, overlap=None,
@@ -146,25 +160,17 @@ def decode_row(ctx: BenchContext, name, cfg, frames, h, w, t_target, gb_target, 
     del out, reference, vae, z
     if ctx.on_gpu:
         torch.cuda.empty_cache()
-    (du_s, du_gb, du_rgb), (dt_s, dt_gb, dt_rgb) = results[False], results[True]
-    row = Row(name, "s", s, du_s, "diffusers 0.42.1 AutoencoderKLWan.decode, untiled",
+    row = Row(name, "s", s, results[False][0], "diffusers 0.42.1 AutoencoderKLWan.decode, untiled",
               target=f"<= {t_target} s and peak_GB <= {gb_target}",
               meets=(s <= t_target and gb <= gb_target) if ctx.on_gpu else None,  # no GPU peak memory on CPU
-              extra={"peak_GB": gb, "peak_reserved_GB": rgb, "diffusers_untiled_s": du_s,
-                     "diffusers_untiled_peak_GB": du_gb, "diffusers_untiled_peak_reserved_GB": du_rgb,
-                     "diffusers_tiled_s": dt_s, "diffusers_tiled_peak_GB": dt_gb,
-                     "diffusers_tiled_peak_reserved_GB": dt_rgb,
-                     "speedup_vs_diffusers_tiled": dt_s / s, "psnr_vs_diffusers_untiled_db": quality,
+              extra={"peak_GB": gb, "peak_reserved_GB": rgb, **_baseline_fields(results),
+                     "speedup_vs_diffusers_tiled": results[True][0] / s, "psnr_vs_diffusers_untiled_db": quality,
                      "tile": str(tile), "overlap": str(overlap), "frames_per_chunk": frames_per_chunk, **extra})
     return row, pad_calls
 
 
 def diffusers_encode(vae, x, tiled: bool):
-    if tiled:
-        vae.enable_tiling()  # diffusers' defaults: 256 px tiles, 192 px stride
-    else:
-        vae.disable_tiling()
-    return vae.encode(x).latent_dist
+    return _diffusers_tiling(vae, tiled).encode(x).latent_dist
 
 
 def encode_row(ctx: BenchContext, name, cfg, frames, h, w) -> Row:
@@ -193,13 +199,10 @@ def encode_row(ctx: BenchContext, name, cfg, frames, h, w) -> Row:
     del post, reference, ref, vae, x
     if ctx.on_gpu:
         torch.cuda.empty_cache()
-    (du_s, du_gb, du_rgb), (dt_s, dt_gb, dt_rgb) = results[False], results[True]
-    return Row(name, "s", s, du_s, "diffusers 0.42.1 AutoencoderKLWan.encode, untiled", target="informational",
-               extra={"peak_GB": gb, "peak_reserved_GB": rgb, "diffusers_untiled_s": du_s,
-                      "diffusers_untiled_peak_GB": du_gb, "diffusers_untiled_peak_reserved_GB": du_rgb,
-                      "diffusers_tiled_s": dt_s, "diffusers_tiled_peak_GB": dt_gb,
-                      "diffusers_tiled_peak_reserved_GB": dt_rgb, "speedup_vs_diffusers_tiled": dt_s / s,
-                      "psnr_mean_vs_diffusers_untiled_db": quality})
+    return Row(name, "s", s, results[False][0], "diffusers 0.42.1 AutoencoderKLWan.encode, untiled",
+               target="informational",
+               extra={"peak_GB": gb, "peak_reserved_GB": rgb, **_baseline_fields(results),
+                      "speedup_vs_diffusers_tiled": results[True][0] / s, "psnr_mean_vs_diffusers_untiled_db": quality})
 
 
 def encode_rows(ctx: BenchContext) -> list[Row]:

@@ -124,16 +124,20 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @functools.lru_cache(maxsize=16)
-def _supports_pdl(device_index: int) -> bool:
+def _sm90_or_newer(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer (dependent launch, bulk L2 prefetch); cached."""
+    return device.type == "cuda" and _sm90_or_newer(device.index if device.index is not None
+                                                     else torch.cuda.current_device())
 
 
 def use_pdl(device: torch.device) -> bool:
     """Whether to launch with programmatic dependent launch on ``device``: CUDA, sm_90 or newer, and
     EMBER_PDL not "0" (read per call, so also while a CUDA graph is captured)."""
-    if device.type != "cuda" or not _dispatch.pdl_allowed():
-        return False
-    return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and _dispatch.pdl_allowed() and hopper_or_newer(device)
 
 
 def pdl_options(device: torch.device) -> dict:

@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import bulk_prefetch_l2, pdl_options, pdl_start
+from ember.kernels._common import bulk_prefetch_l2, hopper_or_newer, pdl_options, pdl_start
 
 ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
@@ -1439,8 +1439,7 @@ def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: 
 def _bulk_ok(x2: torch.Tensor) -> bool:
     """Whether the L2 bulk prefetch (PREFETCH 2) can address x2's chunks: 16-byte aligned rows, sm_90+."""
     es = x2.element_size()
-    return (x2.data_ptr() % 16 == 0 and x2.stride(0) * es % 16 == 0 and x2.device.type == "cuda"
-            and torch.cuda.get_device_capability(x2.device)[0] >= 9)
+    return x2.data_ptr() % 16 == 0 and x2.stride(0) * es % 16 == 0 and hopper_or_newer(x2.device)
 
 
 def softmax_path(B: int, V: int, sms: int, one_launch: bool, cfg: WaveConfig | None = None) -> tuple:

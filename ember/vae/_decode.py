@@ -16,7 +16,8 @@ import warnings
 
 import torch
 
-from ember.vae._stream import StreamDecoder, env_switch, is_causal_conv, progress_bar, to_channels_last
+from ember.vae._stream import (StreamDecoder, env_switch, is_causal_conv, progress_bar, tile_starts,
+                               to_channels_last)
 
 SUPPORTED = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
 # Auto tiling: at most this many bytes of conv history (2 frames per causal conv) per tile. 1 GB
@@ -220,11 +221,7 @@ class _Axis:
         self.tile_lat, stride_lat = tile_s // spec.comp, stride_s // spec.comp
         self.stride_o = stride_s // spec.patch
         self.blend_o = tile_s // spec.patch - self.stride_o
-        self.starts = []
-        for s in range(0, n_lat, stride_lat):
-            self.starts.append(s)
-            if trim and s + self.tile_lat >= n_lat:
-                break
+        self.starts = tile_starts(n_lat, self.tile_lat, stride_lat, trim)
 
     def keep_o(self, index: int) -> int:
         """Decoder-output rows (columns) tile ``index`` contributes from its start: the stride, the

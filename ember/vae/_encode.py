@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.vae._decode import AUTO_HISTORY_BYTES, SUPPORTED, VaeSpec, _pair, check_on_vae, check_video_tensor
-from ember.vae._stream import CL3, CausalStream, is_causal_conv, progress_bar, to_channels_last
+from ember.vae._stream import CL3, CausalStream, is_causal_conv, progress_bar, tile_starts, to_channels_last
 
 
 # ----------------------------------------------------------------------------- the stream
@@ -230,17 +230,6 @@ def _blend(prev: torch.Tensor, cur: torch.Tensor, extent: int, dim: int) -> None
     b.copy_(a.float() * (1 - w) + b.float() * w)
 
 
-def _starts(n: int, tile: int, stride: int, trim: bool) -> list[int]:
-    """diffusers' tile origins (every stride below n) or, ``trim``, up to the first tile reaching n
-    (as the decoder's ``_Axis``: no redundant strip inside the last tile)."""
-    starts = []
-    for s in range(0, n, stride):
-        starts.append(s)
-        if trim and s + tile >= n:
-            break
-    return starts
-
-
 def encode_parameters(vae, video: torch.Tensor, tile, overlap, tiled: bool, progress: bool,
                       trim: bool = False) -> torch.Tensor:
     """The posterior's parameters [B, 2z, latent frames, h, w] (what diffusers' ``_encode`` returns).
@@ -258,7 +247,7 @@ def encode_parameters(vae, video: torch.Tensor, tile, overlap, tiled: bool, prog
         tl_h, tl_w, st_h, st_w = th // c, tw // c, (th - oh) // c, (tw - ow) // c
     else:
         tl_h, tl_w, st_h, st_w = h_lat, w_lat, h_lat, w_lat
-    row_starts, col_starts = _starts(h_lat, tl_h, st_h, trim), _starts(w_lat, tl_w, st_w, trim)
+    row_starts, col_starts = tile_starts(h_lat, tl_h, st_h, trim), tile_starts(w_lat, tl_w, st_w, trim)
     to_channels_last(vae.encoder)
     to_channels_last(vae.quant_conv)
     qc = vae.quant_conv

@@ -185,6 +185,17 @@ class CausalStream:
         return x
 
 
+def tile_starts(n: int, tile: int, stride: int, trim: bool) -> list[int]:
+    """Tile origins along an axis of n latent px: diffusers' (every stride below n) or, ``trim``, up to
+    the first tile that reaches n (no redundant strip inside the last tile; ``_decode._Axis``)."""
+    starts = []
+    for s in range(0, n, stride):
+        starts.append(s)
+        if trim and s + tile >= n:
+            break
+    return starts
+
+
 def env_switch(name: str, default: bool = True) -> bool:
     """An on/off environment switch ("0" or "1", read per call); anything else is a ValueError."""
     v = os.environ.get(name, "1" if default else "0")

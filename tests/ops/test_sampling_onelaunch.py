@@ -180,13 +180,15 @@ def test_wave_plan_balanced_waves_within_the_slots():
 def test_sample_warps_default_and_env(monkeypatch):
     k = _k()
     monkeypatch.delenv("EMBER_SAMPLE_WARPS", raising=False)
-    assert (k._sample_warps(1024, 1), k._sample_warps(1024, 8)) == (4, 8)
-    monkeypatch.setenv("EMBER_SAMPLE_WARPS", "8")
-    assert k._sample_warps(1024, 1) == 8
+    # top-k on keeps 4 warps at the base chunk; otherwise (and at grown chunks) 8
+    assert (k._sample_warps(1024, 1, True), k._sample_warps(1024, 8, True)) == (4, 8)
+    assert (k._sample_warps(1024, 1, False), k._sample_warps(1024, 8, False)) == (8, 8)
+    monkeypatch.setenv("EMBER_SAMPLE_WARPS", "2")
+    assert k._sample_warps(1024, 1, False) == 2
     for bad in ("3", "0", "eight"):
         monkeypatch.setenv("EMBER_SAMPLE_WARPS", bad)
         with pytest.raises(ValueError, match="EMBER_SAMPLE_WARPS: expected 1, 2, 4, 8 or 16, got '" + bad):
-            k._sample_warps(1024, 1)
+            k._sample_warps(1024, 1, True)
 
 
 def test_wave_config_env_and_register_cap(monkeypatch):

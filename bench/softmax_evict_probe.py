@@ -1,0 +1,93 @@
+"""Cache hints in the many-row softmax (``_softmax_waves_kernel``), H200, graph-timed, [256, 128256] fp32.
+
+The kernel bulk-prefetches the chunk PREFETCH rows ahead into L2; from 3 rows ahead it got slower
+(sampling_waves_l2_sweep.json), as if the prefetched rows were evicted before use. The output rows
+(8 MB a wave) and the already-consumed input pass through L2 with the default (evict_normal)
+priority. This probe builds variants of the kernel module whose output stores and/or register loads
+carry an eviction hint, and times each at PREFETCH 2, 3 and 4, alternating REPEATS times.
+
+    python bench/softmax_evict_probe.py OUT_JSON
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ember.bench import _timing
+from ember.bench.sampling import COPY_BW_GBPS
+from ember.kernels import sampling as ks
+
+SHAPE = (256, 128256)
+REPEATS = 3
+PREFETCHES = (2, 3, 4)
+STORE = "tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)"
+LOAD = 'xr = tl.load(x_ptr + nxt * stride_x + cols, mask=nxt_mask, other=-float("inf"))'
+VARIANTS = {
+    "base": [],
+    "store_evict_first": [(STORE, STORE[:-1] + ', eviction_policy="evict_first")')],
+    "store_cs": [(STORE, STORE[:-1] + ', cache_modifier=".cs")')],
+    "load_evict_first": [(LOAD, LOAD[:-1] + ', eviction_policy="evict_first")')],
+    "both_evict_first": [(STORE, STORE[:-1] + ', eviction_policy="evict_first")'),
+                         (LOAD, LOAD[:-1] + ', eviction_policy="evict_first")')],
+}
+
+
+def _variant(name: str, edits):
+    """The sampling kernel module with ``edits`` applied (every occurrence) inside ``_softmax_waves_kernel`` only."""
+    src = Path(ks.__file__).read_text()
+    start = src.index("def _softmax_waves_kernel(")
+    end = src.index("@triton.jit", start)
+    body = src[start:end]
+    for old, new in edits:
+        if not body.count(old):
+            raise SystemExit(f"{name}: no {old!r} in _softmax_waves_kernel")
+        body = body.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / f"ember_sampling_{name}.py"
+    path.write_text(src[:start] + body + src[end:])
+    spec = importlib.util.spec_from_file_location(f"ember_sampling_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(path: str | None = None) -> dict:
+    dev = torch.device("cuda")
+    xs = [torch.randn(SHAPE, device=dev) * 3 for _ in range(_timing.copies_to_exceed_l2(4 * SHAPE[0] * SHAPE[1]))]
+    ref = torch.softmax(xs[0].double(), -1)
+    nbytes = 2 * 4 * SHAPE[0] * SHAPE[1]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    mods = {name: _variant(name, edits) for name, edits in VARIANTS.items()}
+    outs = [torch.empty(SHAPE, device=dev) for _ in xs]
+    res = {"shape": SHAPE, "repeats": REPEATS, "copy_bw_GBps": COPY_BW_GBPS, "variants": {}}
+    for pf in PREFETCHES:
+        cfg = ks.WaveConfig(8192, 8, 2, pf)
+        P, _, R = ks.wave_plan(SHAPE[0], SHAPE[1], sms, cfg)
+        times = {name: [] for name in mods}
+        errs = {}
+        for _ in range(REPEATS):
+            for name, mod in mods.items():
+                mod.softmax_waves(xs[0], outs[0], 1.0, False, cfg, P, R)
+                errs[name] = (outs[0].double() - ref).abs().max().item()
+                calls = [lambda x=x, o=o, mod=mod: mod.softmax_waves(x, o, 1.0, False, cfg, P, R)
+                         for x, o in zip(xs, outs)]
+                times[name].append(_timing.graph_time_us(calls))
+        for name, v in times.items():
+            med = statistics.median(v)
+            frac = nbytes / med / 1e3 / COPY_BW_GBPS
+            res["variants"][f"{name}_prefetch{pf}"] = {"median_us": med, "all_us": v, "fraction_of_copy": frac,
+                                                       "max_abs_err": errs[name]}
+            print(f"prefetch {pf} {name:>18}: {med:7.2f} us {frac:6.1%}  {[round(t, 1) for t in v]} "
+                  f"err {errs[name]:.1e}", flush=True)
+    if path:
+        Path(path).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

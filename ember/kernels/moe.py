@@ -69,7 +69,7 @@ CPU_CONFIG = {
     "moe_t1": dict(FUSED_ROUTE=True, GEMV="v1", GEMV_FP8="v1"),
     # LANES=4: several K steps and ragged K masks even at H=64..256
     "gemv_v2_gate_up": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4),
-    "gemv_v2_down": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4),
+    "gemv_v2_down": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4, SPLIT=2),  # SPLIT 2: both paths run in CI
 }
 DECODE_MAX_TOKENS = 16
 
@@ -531,14 +531,21 @@ def _gate_up_gemv_v2_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, stride_x,
 @triton.jit
 def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stride_out,
                          stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                         res_ptr, lnw_ptr, scaled_ptr,
+                         res_ptr, lnw_ptr, scaled_ptr, part_ptr, cnt_ptr,
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                          BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
-                         FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True, PDL: tl.constexpr = False):
+                         FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True, SPLIT: tl.constexpr = 1,
+                         PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
-    FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait)."""
+    FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait).
+    SPLIT > 1: program (t, nb, g) sums experts g * TOP_K / SPLIT .. (g + 1) * TOP_K / SPLIT - 1 only,
+    stores its fp32 row sums in part_ptr[t, g] and arrives at counter (t, nb); the last of the SPLIT
+    to arrive adds the SPLIT partials in group order (the same bits whichever arrives last), writes
+    the output (or the FOLD epilogue) and resets the counter."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
+    g = tl.program_id(2)
+    JPG: tl.constexpr = TOP_K // SPLIT
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
     r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD and FOLD_EARLY, True)
@@ -549,8 +556,8 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
     kk = _v2_k_offsets(LANES, VEC, BPS)
     shape: tl.constexpr = (BLOCK_N, LANES * VEC)
     acc = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = t * TOP_K + j
+    for jj in tl.static_range(JPG):
+        pair = t * TOP_K + g * JPG + jj
         e = tl.load(ids_ptr + pair).to(tl.int64)
         w_rows = (w_ptr + e * stride_we + rows.to(tl.int64) * stride_wn)[:, None]
         if SCALE == 2:
@@ -577,7 +584,19 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
             acc += acc_e * (factor * _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn))[:, None]
         else:
             acc += acc_e * factor
-    _store_out_or_fold(tl.sum(acc, axis=1), out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
+    y = tl.sum(acc, axis=1)
+    if SPLIT == 1:
+        _store_out_or_fold(y, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
+    else:
+        tl.store(part_ptr + (t * SPLIT + g) * H + rows, y, mask=row_mask)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        slot = cnt_ptr + t * tl.num_programs(1) + nb
+        if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for gg in tl.static_range(SPLIT):  # group order, own partial included: arrival order never matters
+                total += tl.load(part_ptr + (t * SPLIT + gg) * H + rows, mask=row_mask, other=0.0, volatile=True)
+            _store_out_or_fold(total, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
+            tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
 
 
 # ============================================================================ T >= 2: grouped kernels
@@ -860,6 +879,17 @@ def _prefill_block_m(T: int, top_k: int, E: int) -> int:
     return int(min(128, max(16, triton.next_power_of_2(int(1.5 * mean) + 1))))
 
 
+def _down_split(top_k: int, device: torch.device) -> int:
+    """Expert groups of the v2 down GEMV (SPLIT): programs per (token, row block), each summing
+    top_k / SPLIT experts. ``EMBER_MOE_DOWN_SPLIT`` (1, 2, 4 or 8) overrides the config's value;
+    a split that does not divide top_k falls back to 1."""
+    env = os.environ.get("EMBER_MOE_DOWN_SPLIT")
+    if env is not None and env not in ("1", "2", "4", "8"):
+        raise ValueError(f"EMBER_MOE_DOWN_SPLIT: expected 1, 2, 4 or 8, got {env!r}")
+    split = int(env) if env is not None else _config("gemv_v2_down", device).get("SPLIT", 1)
+    return split if top_k % split == 0 else 1
+
+
 def _fold_args(fold, out, early: bool):
     """Kernel arguments of the down GEMVs' FOLD epilogue: (residual, norm weight, scaled out) or dummies.
 
@@ -996,10 +1026,17 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     cfg = _t1_v2_config("gemv_v2_down", w_down, I)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
-    _down_gemv_v2_kernel[(T, triton.cdiv(H, cfg["BLOCK_N"]))](
-        h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, H=H, I=I,
-        TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
-        num_warps=cfg["num_warps"], num_stages=1, **fold_kw, **pdl_options(x.device))
+    nb = triton.cdiv(H, cfg["BLOCK_N"])
+    split = _down_split(top_k, x.device)
+    if split > 1:  # fp32 row sums per expert group, and an arrival counter per (token, row block)
+        part, cnt = torch.empty((T, split, H), dtype=torch.float32, device=x.device), \
+            arrival_counters("moe_down_split", x.device, T * nb)
+    else:
+        part = cnt = h  # unused
+    _down_gemv_v2_kernel[(T, nb, split)](
+        h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt,
+        H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"],
+        BPS=cfg["BPS"], SPLIT=split, num_warps=cfg["num_warps"], num_stages=1, **fold_kw, **pdl_options(x.device))
     return out
 
 

@@ -476,6 +476,37 @@ def test_t1_v2_repeated_expert_and_sweep_config_interpreter(interpreter, poisone
         ember.ops.moe_experts(x, wgu, wd, tw, tid)
 
 
+@pytest.mark.parametrize("wdtype,scale", [(torch.bfloat16, None), (FP8, "block")])
+def test_t1_v2_down_split_interpreter(interpreter, poisoned_buffers, t1_v2, monkeypatch, wdtype, scale):
+    """The down GEMV split over expert groups (EMBER_MOE_DOWN_SPLIT): every split gives the float64
+    result, twice in a row (the arrival counters reset), and with the add_scale epilogue."""
+    xdtype = torch.bfloat16
+    if wdtype == FP8:
+        wgu, gs, wd, ds = make_weights(FP8, h=100, i=48, scale=scale)
+    else:
+        wgu, wd, gs, ds = make_weights(wdtype, h=100, i=48)
+    k = 4
+    for split in ("1", "2", "4"):
+        monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
+        for _ in range(2):
+            x, res = torch.randn(1, 100).to(xdtype), torch.randn(1, 100).to(xdtype)
+            tw, tid = moe_ops.moe_route_reference(torch.randn(1, E), k)
+            got = ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)
+            assert_close(got, float64_experts(x, wgu, wd, tw, tid, gs, ds).to(xdtype), xdtype)
+            lnw = (torch.rand(100) + 0.5).to(xdtype)
+            h, scaled = ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs,
+                                                        down_scale=ds)
+            eh, es = moe_ops.moe_experts_add_scale_reference(x, wgu, wd, tw, tid, res, lnw, gs, ds)
+            assert_close(h, eh, xdtype)
+            assert torch.equal(scaled, (h.float() * lnw.float()).to(xdtype))
+    from ember.kernels import moe as kmod
+    monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", "8")
+    assert kmod._down_split(4, torch.device("cpu")) == 1  # does not divide top_k: one group
+    monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", "3")
+    with pytest.raises(ValueError, match="EMBER_MOE_DOWN_SPLIT: expected 1, 2, 4 or 8, got '3'"):
+        ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)
+
+
 def test_t1_variant_switch(monkeypatch):
     from ember.kernels import moe as kmod
     monkeypatch.delenv("EMBER_MOE_T1", raising=False)
@@ -493,9 +524,11 @@ def test_t1_variant_switch(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", ["1", "2", "4"])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, "row", "block"])
-def test_gpu_t1_v2_qwen3_shapes_and_graph(cuda, monkeypatch, wdtype):
+def test_gpu_t1_v2_qwen3_shapes_and_graph(cuda, monkeypatch, wdtype, split):
     monkeypatch.setenv("EMBER_MOE_T1", "v2")
+    monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
     x = torch.randn(1, QH, device=cuda).bfloat16()
     logits = torch.randn(1, QE, device=cuda)
     if wdtype == torch.bfloat16:

@@ -59,7 +59,7 @@ GPU_CONFIG = {
     # v2 kernels: warps per program, rows per warp lane group. Down takes 2 rows for fp8 weights
     # (ROWS_FP8: 20.6 vs 21.4 us) but 1 for bf16 (27.6 vs 32.2 us: 2 rows of bf16 spill the partial sums).
     "gemv_v2_gate_up": dict(num_warps=4, ROWS=2, ROWS_FP8=2, LANES=None),
-    "gemv_v2_down": dict(num_warps=4, ROWS=1, ROWS_FP8=2, LANES=None),
+    "gemv_v2_down": dict(num_warps=4, ROWS=1, ROWS_FP8=2, LANES=None, SPLIT=1, SPLIT_FP8=4),
 }
 CPU_CONFIG = {
     "gemv_gate_up": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, UNROLL=True),
@@ -69,7 +69,7 @@ CPU_CONFIG = {
     "moe_t1": dict(FUSED_ROUTE=True, GEMV="v1", GEMV_FP8="v1"),
     # LANES=4: several K steps and ragged K masks even at H=64..256
     "gemv_v2_gate_up": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4),
-    "gemv_v2_down": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4, SPLIT=2),  # SPLIT 2: both paths run in CI
+    "gemv_v2_down": dict(num_warps=1, ROWS=2, ROWS_FP8=2, LANES=4, SPLIT=2, SPLIT_FP8=2),  # CI runs the split
 }
 DECODE_MAX_TOKENS = 16
 
@@ -879,14 +879,19 @@ def _prefill_block_m(T: int, top_k: int, E: int) -> int:
     return int(min(128, max(16, triton.next_power_of_2(int(1.5 * mean) + 1))))
 
 
-def _down_split(top_k: int, device: torch.device) -> int:
+def _down_split(top_k: int, device: torch.device, fp8: bool) -> int:
     """Expert groups of the v2 down GEMV (SPLIT): programs per (token, row block), each summing
     top_k / SPLIT experts. ``EMBER_MOE_DOWN_SPLIT`` (1, 2, 4 or 8) overrides the config's value;
-    a split that does not divide top_k falls back to 1."""
+    a split that does not divide top_k falls back to 1.
+    H200 Qwen3-30B-A3B decode step, fp8 (bench/results/h200/step_variants_down_split*.json, two
+    runs): 2.07 ms unsplit, 2.05 split 2, 1.94 split 4, 1.98 split 8: 128 programs of 4 warps (one
+    per SM) each streamed 16 rows of all 8 experts in turn; 512 spread the 12.6 MB over more warps.
+    bf16 with v2 got slower (2.41 -> 2.51 ms at 4) and keeps v1 anyway."""
     env = os.environ.get("EMBER_MOE_DOWN_SPLIT")
     if env is not None and env not in ("1", "2", "4", "8"):
         raise ValueError(f"EMBER_MOE_DOWN_SPLIT: expected 1, 2, 4 or 8, got {env!r}")
-    split = int(env) if env is not None else _config("gemv_v2_down", device).get("SPLIT", 1)
+    cfg = _config("gemv_v2_down", device)
+    split = int(env) if env is not None else cfg["SPLIT_FP8" if fp8 else "SPLIT"]
     return split if top_k % split == 0 else 1
 
 
@@ -1027,7 +1032,7 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
     nb = triton.cdiv(H, cfg["BLOCK_N"])
-    split = _down_split(top_k, x.device)
+    split = _down_split(top_k, x.device, w_down.element_size() == 1)
     if split > 1:  # fp32 row sums per expert group, and an arrival counter per (token, row block)
         part, cnt = torch.empty((T, split, H), dtype=torch.float32, device=x.device), \
             arrival_counters("moe_down_split", x.device, T * nb)

@@ -48,7 +48,7 @@ SCALE_BLOCK = 128
 # kernels) win, and 8 rows on one warp spill (5.9 ms).
 GPU_CONFIG = {
     "gemv_gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=1, UNROLL=True),
-    "gemv_down": dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, UNROLL=True),
+    "gemv_down": dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, UNROLL=True, SPLIT=1, SPLIT_FP8=1),
     "grouped_decode": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "grouped_prefill": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     # T=1, H200, Qwen3-30B-A3B shapes. fp8: v2 (ember.bench.moe_ops.sweep, us per layer: row scales
@@ -63,7 +63,7 @@ GPU_CONFIG = {
 }
 CPU_CONFIG = {
     "gemv_gate_up": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, UNROLL=True),
-    "gemv_down": dict(BLOCK_N=16, BLOCK_K=16, num_warps=1, UNROLL=False),
+    "gemv_down": dict(BLOCK_N=16, BLOCK_K=16, num_warps=1, UNROLL=False, SPLIT=1, SPLIT_FP8=1),
     "grouped_decode": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1),
     "grouped_prefill": dict(BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1),
     "moe_t1": dict(FUSED_ROUTE=True, GEMV="v1", GEMV_FP8="v1"),
@@ -358,11 +358,11 @@ def _down_slice(acc, w, h_ptr, pair, weight, rows, row_mask, row_s, k0, scale_pt
 @triton.jit
 def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
                       stride_out, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                      res_ptr, lnw_ptr, scaled_ptr,
+                      res_ptr, lnw_ptr, scaled_ptr, part_ptr, cnt_ptr,
                       H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
                       IDS_BEFORE: tl.constexpr, FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True,
-                      PDL: tl.constexpr = False):
+                      SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N output rows; no atomics.
 
     IDS_BEFORE (the ids were written before the gate_up GEMV ran, i.e. not by its fused routing; off
@@ -372,15 +372,19 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
     expert's first weight tile, so the ids -> weights latency chain overlaps gate_up's tail. H200
     Qwen3-30B-A3B decode step: 2.653 vs 2.677 ms without (bench/step_variants.py).
 
-    FOLD: see _store_out_or_fold (out becomes the new residual, scaled_ptr gets it times lnw)."""
+    FOLD: see _store_out_or_fold (out becomes the new residual, scaled_ptr gets it times lnw).
+    SPLIT > 1: program (t, nb, g) takes expert group g only, as in _down_gemv_v2_kernel."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
+    g = tl.program_id(2)
+    JPG: tl.constexpr = TOP_K // SPLIT
+    first = t * TOP_K + g * JPG  # this program's first pair
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
     if not IDS_BEFORE:
         pdl_start(PDL)
-    e0 = tl.load(ids_ptr + t * TOP_K, volatile=IDS_BEFORE).to(tl.int64)
-    weight0 = tl.load(tw_ptr + t * TOP_K, volatile=IDS_BEFORE).to(tl.float32)
+    e0 = tl.load(ids_ptr + first, volatile=IDS_BEFORE).to(tl.int64)
+    weight0 = tl.load(tw_ptr + first, volatile=IDS_BEFORE).to(tl.float32)
     w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
     r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD and FOLD_EARLY, IDS_BEFORE)
     if IDS_BEFORE:
@@ -388,8 +392,8 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
     if not FOLD_EARLY:
         r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, False)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = t * TOP_K + j
+    for j in tl.static_range(JPG):
+        pair = first + j
         if j == 0:
             e = e0
             weight = weight0
@@ -414,7 +418,8 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
                 w = _down_tile(w_base, rows, row_mask, k0, stride_wn, stride_wk, I, BLOCK_K)
                 acc = _down_slice(acc, w, h_ptr, pair, weight, rows, row_mask, row_s, k0, scale_ptr, e, stride_se,
                                   stride_sn, stride_sk, I, SCALE, BLOCK_K)
-    _store_out_or_fold(tl.sum(acc, axis=1), out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
+    _store_split_or_fold(tl.sum(acc, axis=1), part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r,
+                         lw, scaled_ptr, H, FOLD, SPLIT)
 
 
 @triton.jit
@@ -445,6 +450,27 @@ def _store_out_or_fold(out, out_ptr, t, stride_out, rows, row_mask, r, lw, scale
         tl.store(scaled_ptr + t * H + rows, round_to(h.to(tl.float32) * lw, dt), mask=row_mask)
     else:
         tl.store(out_ptr + t * stride_out + rows, y, mask=row_mask)
+
+
+@triton.jit
+def _store_split_or_fold(y, part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H,
+                         FOLD: tl.constexpr, SPLIT: tl.constexpr):
+    """The down GEMVs' end: ``y`` is this program's fp32 row sums (experts of group g of SPLIT).
+    SPLIT == 1: _store_out_or_fold. Else: store y in part_ptr[t, g], arrive at counter (t, nb); the
+    last of the SPLIT to arrive adds the partials in group order (the same bits whichever arrives
+    last), stores the output (or the FOLD epilogue) and resets the counter."""
+    if SPLIT == 1:
+        _store_out_or_fold(y, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
+    else:
+        tl.store(part_ptr + (t * SPLIT + g) * H + rows, y, mask=row_mask)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        slot = cnt_ptr + t * tl.num_programs(1) + nb
+        if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.zeros_like(y)
+            for gg in tl.static_range(SPLIT):  # group order, own partial included: arrival order never matters
+                total += tl.load(part_ptr + (t * SPLIT + gg) * H + rows, mask=row_mask, other=0.0, volatile=True)
+            _store_out_or_fold(total, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
+            tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
 
 
 # ============================================================================ T == 1: GEMV kernels, v2
@@ -538,10 +564,8 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
                          PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
     FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait).
-    SPLIT > 1: program (t, nb, g) sums experts g * TOP_K / SPLIT .. (g + 1) * TOP_K / SPLIT - 1 only,
-    stores its fp32 row sums in part_ptr[t, g] and arrives at counter (t, nb); the last of the SPLIT
-    to arrive adds the SPLIT partials in group order (the same bits whichever arrives last), writes
-    the output (or the FOLD epilogue) and resets the counter."""
+    SPLIT > 1: program (t, nb, g) sums experts g * TOP_K / SPLIT .. (g + 1) * TOP_K / SPLIT - 1 only
+    (_store_split_or_fold combines the groups)."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     g = tl.program_id(2)
@@ -584,19 +608,8 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
             acc += acc_e * (factor * _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn))[:, None]
         else:
             acc += acc_e * factor
-    y = tl.sum(acc, axis=1)
-    if SPLIT == 1:
-        _store_out_or_fold(y, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
-    else:
-        tl.store(part_ptr + (t * SPLIT + g) * H + rows, y, mask=row_mask)
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        slot = cnt_ptr + t * tl.num_programs(1) + nb
-        if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for gg in tl.static_range(SPLIT):  # group order, own partial included: arrival order never matters
-                total += tl.load(part_ptr + (t * SPLIT + gg) * H + rows, mask=row_mask, other=0.0, volatile=True)
-            _store_out_or_fold(total, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
-            tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
+    _store_split_or_fold(tl.sum(acc, axis=1), part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r,
+                         lw, scaled_ptr, H, FOLD, SPLIT)
 
 
 # ============================================================================ T >= 2: grouped kernels
@@ -879,20 +892,29 @@ def _prefill_block_m(T: int, top_k: int, E: int) -> int:
     return int(min(128, max(16, triton.next_power_of_2(int(1.5 * mean) + 1))))
 
 
-def _down_split(top_k: int, device: torch.device, fp8: bool) -> int:
-    """Expert groups of the v2 down GEMV (SPLIT): programs per (token, row block), each summing
-    top_k / SPLIT experts. ``EMBER_MOE_DOWN_SPLIT`` (1, 2, 4 or 8) overrides the config's value;
-    a split that does not divide top_k falls back to 1.
-    H200 Qwen3-30B-A3B decode step, fp8 (bench/results/h200/step_variants_down_split*.json, two
+def _down_split(name: str, top_k: int, device: torch.device, fp8: bool) -> int:
+    """Expert groups of a T = 1 down GEMV (config ``name``'s SPLIT / SPLIT_FP8): programs per (token,
+    row block), each summing top_k / SPLIT experts. ``EMBER_MOE_DOWN_SPLIT`` (1, 2, 4 or 8)
+    overrides it; a split that does not divide top_k falls back to 1.
+    H200 Qwen3-30B-A3B decode step, fp8 v2 (bench/results/h200/step_variants_down_split*.json, two
     runs): 2.07 ms unsplit, 2.05 split 2, 1.94 split 4, 1.98 split 8: 128 programs of 4 warps (one
     per SM) each streamed 16 rows of all 8 experts in turn; 512 spread the 12.6 MB over more warps.
-    bf16 with v2 got slower (2.41 -> 2.51 ms at 4) and keeps v1 anyway."""
+    bf16 with v2 got slower (2.41 -> 2.51 ms at 4)."""
     env = os.environ.get("EMBER_MOE_DOWN_SPLIT")
     if env is not None and env not in ("1", "2", "4", "8"):
         raise ValueError(f"EMBER_MOE_DOWN_SPLIT: expected 1, 2, 4 or 8, got {env!r}")
-    cfg = _config("gemv_v2_down", device)
+    cfg = _config(name, device)
     split = int(env) if env is not None else cfg["SPLIT_FP8" if fp8 else "SPLIT"]
     return split if top_k % split == 0 else 1
+
+
+def _split_buffers(name: str, T: int, H: int, n_blocks: int, top_k: int, w_down: torch.Tensor, dummy: torch.Tensor):
+    """(split, fp32 partials [T, split, H], arrival counters) of a down GEMV launch; dummies unsplit."""
+    split = _down_split(name, top_k, w_down.device, w_down.element_size() == 1)
+    if split == 1:
+        return 1, dummy, dummy
+    return split, torch.empty((T, split, H), dtype=torch.float32, device=w_down.device), \
+        arrival_counters("moe_down_split", w_down.device, T * n_blocks)
 
 
 def _fold_args(fold, out, early: bool):
@@ -927,11 +949,13 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     bn, bk = cfg["BLOCK_N"], _sub_k(mode, cfg["BLOCK_K"])
     fold_kw, fold_ptrs = _fold_args(fold, out, early=False)
-    _down_gemv_kernel[(T, triton.cdiv(H, bn))](
-        h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, H=H, I=I,
-        TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"], num_warps=cfg["num_warps"],
-        IDS_BEFORE=not fused and os.environ.get("EMBER_MOE_DOWN_PREFETCH", "1") != "0", **fold_kw,
-        **pdl_options(x.device))
+    nb = triton.cdiv(H, bn)
+    split, part, cnt = _split_buffers("gemv_down", T, H, nb, top_k, w_down, h)
+    _down_gemv_kernel[(T, nb, split)](
+        h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt, H=H,
+        I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"], SPLIT=split,
+        num_warps=cfg["num_warps"], IDS_BEFORE=not fused and os.environ.get("EMBER_MOE_DOWN_PREFETCH", "1") != "0",
+        **fold_kw, **pdl_options(x.device))
     return out
 
 
@@ -1032,12 +1056,7 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
     nb = triton.cdiv(H, cfg["BLOCK_N"])
-    split = _down_split(top_k, x.device, w_down.element_size() == 1)
-    if split > 1:  # fp32 row sums per expert group, and an arrival counter per (token, row block)
-        part, cnt = torch.empty((T, split, H), dtype=torch.float32, device=x.device), \
-            arrival_counters("moe_down_split", x.device, T * nb)
-    else:
-        part = cnt = h  # unused
+    split, part, cnt = _split_buffers("gemv_v2_down", T, H, nb, top_k, w_down, h)
     _down_gemv_v2_kernel[(T, nb, split)](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt,
         H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"],

@@ -476,10 +476,12 @@ def test_t1_v2_repeated_expert_and_sweep_config_interpreter(interpreter, poisone
         ember.ops.moe_experts(x, wgu, wd, tw, tid)
 
 
+@pytest.mark.parametrize("variant", ["v1", "v2"])
 @pytest.mark.parametrize("wdtype,scale", [(torch.bfloat16, None), (FP8, "block")])
-def test_t1_v2_down_split_interpreter(interpreter, poisoned_buffers, t1_v2, monkeypatch, wdtype, scale):
-    """The down GEMV split over expert groups (EMBER_MOE_DOWN_SPLIT): every split gives the float64
-    result, twice in a row (the arrival counters reset), and with the add_scale epilogue."""
+def test_t1_down_split_interpreter(interpreter, poisoned_buffers, monkeypatch, variant, wdtype, scale):
+    """The T = 1 down GEMVs split over expert groups (EMBER_MOE_DOWN_SPLIT): every split gives the
+    float64 result, twice in a row (the arrival counters reset), and with the add_scale epilogue."""
+    monkeypatch.setenv("EMBER_MOE_T1", variant)
     xdtype = torch.bfloat16
     if wdtype == FP8:
         wgu, gs, wd, ds = make_weights(FP8, h=100, i=48, scale=scale)
@@ -501,7 +503,7 @@ def test_t1_v2_down_split_interpreter(interpreter, poisoned_buffers, t1_v2, monk
             assert torch.equal(scaled, (h.float() * lnw.float()).to(xdtype))
     from ember.kernels import moe as kmod
     monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", "8")
-    assert kmod._down_split(4, torch.device("cpu"), True) == 1  # does not divide top_k: one group
+    assert kmod._down_split("gemv_v2_down", 4, torch.device("cpu"), True) == 1  # does not divide top_k: one group
     monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", "3")
     with pytest.raises(ValueError, match="EMBER_MOE_DOWN_SPLIT: expected 1, 2, 4 or 8, got '3'"):
         ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)
@@ -514,6 +516,7 @@ def test_t1_variant_switch(monkeypatch):
     assert kmod.GPU_CONFIG["moe_t1"]["GEMV"] == "v1" and kmod.GPU_CONFIG["moe_t1"]["GEMV_FP8"] == "v2"
     # fp8's v2 down GEMV splits the 8 experts over 4 programs per row block (decode step 2.07 -> 1.94 ms)
     assert (kmod.GPU_CONFIG["gemv_v2_down"]["SPLIT"], kmod.GPU_CONFIG["gemv_v2_down"]["SPLIT_FP8"]) == (1, 4)
+    assert (kmod.GPU_CONFIG["gemv_down"]["SPLIT"], kmod.GPU_CONFIG["gemv_down"]["SPLIT_FP8"]) == (1, 1)
     assert kmod.t1_variant(torch.device("cpu")) == "v1"  # the interpreter default keeps FUSED_ROUTE covered
     monkeypatch.setenv("EMBER_MOE_T1", "v1")
     assert kmod.t1_variant(torch.device("cpu")) == "v1"
@@ -526,10 +529,11 @@ def test_t1_variant_switch(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v1", "v2"])
 @pytest.mark.parametrize("split", ["1", "2", "4"])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, "row", "block"])
-def test_gpu_t1_v2_qwen3_shapes_and_graph(cuda, monkeypatch, wdtype, split):
-    monkeypatch.setenv("EMBER_MOE_T1", "v2")
+def test_gpu_t1_qwen3_shapes_and_graph(cuda, monkeypatch, wdtype, split, variant):
+    monkeypatch.setenv("EMBER_MOE_T1", variant)
     monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
     x = torch.randn(1, QH, device=cuda).bfloat16()
     logits = torch.randn(1, QE, device=cuda)

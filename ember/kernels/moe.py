@@ -899,7 +899,8 @@ def _down_split(name: str, top_k: int, device: torch.device, fp8: bool) -> int:
     H200 Qwen3-30B-A3B decode step, fp8 v2 (bench/results/h200/step_variants_down_split*.json, two
     runs): 2.07 ms unsplit, 2.05 split 2, 1.94 split 4, 1.98 split 8: 128 programs of 4 warps (one
     per SM) each streamed 16 rows of all 8 experts in turn; 512 spread the 12.6 MB over more warps.
-    bf16 with v2 got slower (2.41 -> 2.51 ms at 4)."""
+    bf16 with v2 got slower (2.41 -> 2.51 ms at 4), and so did bf16's v1 down GEMV (1,024 programs of
+    2 warps already): 2.29 -> 2.56 ms at 2 or 4 (step_variants_v1_split_router_bf16.json)."""
     env = os.environ.get("EMBER_MOE_DOWN_SPLIT")
     if env is not None and env not in ("1", "2", "4", "8"):
         raise ValueError(f"EMBER_MOE_DOWN_SPLIT: expected 1, 2, 4 or 8, got {env!r}")

@@ -1610,8 +1610,9 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     ``chunk``: elements per program, a power-of-2 multiple of ``_split``'s (default: that one). Each
     program publishes the maxima of its chunk's pieces of ``_split``'s size, so the candidate bound
     (the k-th largest piece max) is the two launches' at any chunk and top-k keeps its candidate list
-    for k up to 128 whatever the batch. Bigger chunks take 8 warps (16+ would cap the registers at
-    128, and the kernel uses 255 at 4) and the nucleus search's per-pivot sums.
+    for k up to 128 whatever the batch. Programs take 8 warps (``_sample_warps``: 4 at the base chunk
+    when top-k may be on; 16 would cap the registers at 128, and the kernel uses 255 at 4); bigger
+    chunks also take the nucleus search's per-pivot sums.
 
     ``rows_per_wave`` (G < B): a persistent launch of G x P programs (G * P <= SM count) that walks the
     rows in waves (``sample`` takes it past what ``fit_split`` fits, with ``wave_rows_plan``)."""

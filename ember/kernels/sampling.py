@@ -1639,6 +1639,7 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     round_barriers = row_barriers[1:]
     has_off = isinstance(offset, torch.Tensor)
     args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
+    topk_on = isinstance(top_k, torch.Tensor) or 0 < top_k < V
     _sample_one_launch_kernel[(G, P)](
         x2, x2.stride(0), B, G, V, P, G * P, part[0], part[1], part[2].view(torch.int32), piece_max, slots, out,
         *args, offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0), pivots[0],
@@ -1647,18 +1648,19 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, SUB=sub, QB=max(2, triton.next_power_of_2(P * sub)), CAP=cap,
         KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
         SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, NB=NUCLEUS_PIVOTS, ROUNDS=NUCLEUS_ROUNDS,
-        LD_POLL=dev.type == "cuda", num_warps=_sample_warps(base, sub, isinstance(top_k, torch.Tensor) or 0 < top_k < V), **pdl_options(dev))
+        LD_POLL=dev.type == "cuda", num_warps=_sample_warps(base, sub, topk_on), **pdl_options(dev))
 
 
 def _sample_warps(base: int, sub: int, topk_on: bool) -> int:
     """Warps of a one-launch sampler program: 8, except 4 (2 x _warps) at _split's chunk when top-k
-    may be on (``topk_on``: a per-row tensor, or a scalar 0 < k < V); ``EMBER_SAMPLE_WARPS`` (1, 2, 4, 8 or 16)
-    overrides it, for sweeps (bench/sample_warps_probe.py).
-    H200 [1, 128256] (bench/results/h200/sample_warps_probe.json, one run, the same tokens at every
-    count): k 50 + p 0.9 7.73 us with 4 warps, 8.43 with 8; top-p alone 16.53 vs 14.90; temperature
-    alone 6.63 vs 6.15 (2 warps: 8.3 / 32.8 / 8.5 us). Top-k's path after the barrier is a chain of
-    small sorts and loads that more warps only slow; the nucleus search and the plain race are
-    throughput over the chunk."""
+    may be on (``topk_on``: a per-row tensor, or a scalar 0 < k < V); ``EMBER_SAMPLE_WARPS`` (1, 2,
+    4, 8 or 16) overrides it, for sweeps (bench/sample_warps_probe.py).
+    H200 [1, 128256], the same tokens at every count: k 50 + p 0.9 7.73 us with 4 warps, 8.43 with 8;
+    top-p alone 16.53 vs 14.90; temperature alone 6.63 vs 6.15 (2 warps 8.3 / 32.8 / 8.5 us, 1 warp
+    slower still: raw/sample_warps_probe_4_2_8_1_2026-12-01.json); a second run with 16 warps
+    (sample_warps_probe.json): 9.9 / 17.1 / 6.8 us, 4 and 8 as before. Top-k's path after the
+    barrier is a chain of small sorts and loads that more warps only slow; the nucleus search and
+    the plain race are throughput over the chunk."""
     env = os.environ.get("EMBER_SAMPLE_WARPS")
     if env is None:
         return _warps(base) * 2 if sub == 1 and topk_on else 8

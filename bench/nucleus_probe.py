@@ -10,17 +10,15 @@ reference's support before it is timed.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 import ember
-from ember.bench import _timing
+from ember.bench import _timing, module_from_source
 from ember.kernels import sampling as ks
 from ember.ops import sampling as S
 
@@ -33,12 +31,7 @@ def _before_module(before: str | None):
                              check=True).stdout
     else:
         src = Path(before).read_text()
-    path = Path(tempfile.mkdtemp()) / "ember_sampling_before.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("ember_sampling_before", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return module_from_source("ember_sampling_before", src)
 
 
 def torch_top_p(logits, temperature, top_p):

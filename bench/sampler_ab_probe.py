@@ -10,16 +10,14 @@ bench's k50 + p0.9 row read 8.79 us against 8.53 in the run before, with no same
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from ember.bench import _timing
+from ember.bench import _timing, module_from_source
 from ember.kernels import sampling as ks
 
 V = 128256
@@ -27,17 +25,8 @@ REPEATS = 5
 MIXES = {"t0.7_k50_p0.9": (0.7, 50, 0.9), "t0.7_p0.9": (0.7, 0, 0.9), "t0.7": (0.7, 0, 1.0)}
 
 
-def _module(path: str):
-    copy = Path(tempfile.mkdtemp()) / "ember_sampling_before.py"
-    copy.write_text(Path(path).read_text())
-    spec = importlib.util.spec_from_file_location("ember_sampling_before", copy)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main(before_path: str, path: str | None = None) -> dict:
-    mods = {"current": ks, "before": _module(before_path)}
+    mods = {"current": ks, "before": module_from_source("ember_sampling_before", Path(before_path).read_text())}
     xs = [torch.randn(1, V, device="cuda") * 3 for _ in range(_timing.copies_to_exceed_l2(4 * V))]
     seed = torch.tensor([5], device="cuda")
     off = torch.zeros(1, dtype=torch.int64, device="cuda")

@@ -18,17 +18,15 @@ row body is unchanged since, so they still describe the current kernel.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 import ember
-from ember.bench import _timing, env_vars
+from ember.bench import _timing, env_vars, module_from_source
 from ember.kernels import sampling as ks
 
 V = 128256
@@ -83,17 +81,11 @@ def _stamped_module(source: str | None = None):
     text = head + _STAMP_FN + "\n\n@triton.jit(do_not_specialize=[\"t_scalar\", \"k_scalar\", \"p_scalar\", \"mp_scalar\", \"seed_scalar\", \"offset_scalar\", \"spin_cap\"])\ndef _sample_one_launch_kernel(" + kern
     # the decorator line above the original def was consumed by the split: drop the dangling copy
     text = text.replace('@triton.jit(do_not_specialize=["t_scalar", "k_scalar", "p_scalar", "mp_scalar", "seed_scalar", "offset_scalar",\n                               "spin_cap"])\n' + _STAMP_FN, _STAMP_FN)
-    d = tempfile.mkdtemp()
-    path = Path(d) / "ember_sampling_stamped.py"
     # the module's own sample_one_launch passes the stamp buffer it is given in STAMPS
     launch = "barrier, count, cand_z, cand_i, spin_cap, **flags,"
     assert tail.count(launch) == 1
     tail = tail.replace(launch, "barrier, count, cand_z, cand_i, spin_cap, STAMPS, **flags,")
-    path.write_text(text + "# ---- launch helpers" + tail)
-    spec = importlib.util.spec_from_file_location("ember_sampling_stamped", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return module_from_source("ember_sampling_stamped", text + "# ---- launch helpers" + tail)
 
 
 def stages(mod, mix: dict, small_sort: int) -> dict:

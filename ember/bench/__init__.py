@@ -71,6 +71,21 @@ class Row:
         return d
 
 
+def module_from_source(name: str, source: str):
+    """Import ``source`` (e.g. an edited or older copy of a kernel module) as a fresh module named
+    ``name``, from a file of its own (Triton reads a kernel's source from its file): how the probes
+    in bench/ time kernel variants against the current module in one process."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _round(v):
     return round(v, 4) if isinstance(v, float) else v
 

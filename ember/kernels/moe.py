@@ -892,8 +892,8 @@ def _prefill_block_m(T: int, top_k: int, E: int) -> int:
     return int(min(128, max(16, triton.next_power_of_2(int(1.5 * mean) + 1))))
 
 
-def _down_split(name: str, top_k: int, device: torch.device, fp8: bool) -> int:
-    """Expert groups of a T = 1 down GEMV (config ``name``'s SPLIT / SPLIT_FP8): programs per (token,
+def _down_split(cfg: dict, top_k: int, fp8: bool) -> int:
+    """Expert groups of a T = 1 down GEMV (its launch config's SPLIT / SPLIT_FP8): programs per (token,
     row block), each summing top_k / SPLIT experts. ``EMBER_MOE_DOWN_SPLIT`` (1, 2, 4 or 8)
     overrides it; a split that does not divide top_k falls back to 1.
     H200 Qwen3-30B-A3B decode step, fp8 v2 (bench/results/h200/step_variants_down_split*.json, two
@@ -904,14 +904,13 @@ def _down_split(name: str, top_k: int, device: torch.device, fp8: bool) -> int:
     env = os.environ.get("EMBER_MOE_DOWN_SPLIT")
     if env is not None and env not in ("1", "2", "4", "8"):
         raise ValueError(f"EMBER_MOE_DOWN_SPLIT: expected 1, 2, 4 or 8, got {env!r}")
-    cfg = _config(name, device)
     split = int(env) if env is not None else cfg["SPLIT_FP8" if fp8 else "SPLIT"]
     return split if top_k % split == 0 else 1
 
 
-def _split_buffers(name: str, T: int, H: int, n_blocks: int, top_k: int, w_down: torch.Tensor, dummy: torch.Tensor):
+def _split_buffers(cfg: dict, T: int, H: int, n_blocks: int, top_k: int, w_down: torch.Tensor, dummy: torch.Tensor):
     """(split, fp32 partials [T, split, H], arrival counters) of a down GEMV launch; dummies unsplit."""
-    split = _down_split(name, top_k, w_down.device, w_down.element_size() == 1)
+    split = _down_split(cfg, top_k, w_down.element_size() == 1)
     if split == 1:
         return 1, dummy, dummy
     return split, torch.empty((T, split, H), dtype=torch.float32, device=w_down.device), \
@@ -951,7 +950,7 @@ def _experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, logits, top_k, renormal
     bn, bk = cfg["BLOCK_N"], _sub_k(mode, cfg["BLOCK_K"])
     fold_kw, fold_ptrs = _fold_args(fold, out, early=False)
     nb = triton.cdiv(H, bn)
-    split, part, cnt = _split_buffers("gemv_down", T, H, nb, top_k, w_down, h)
+    split, part, cnt = _split_buffers(cfg, T, H, nb, top_k, w_down, h)
     _down_gemv_kernel[(T, nb, split)](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt, H=H,
         I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"], SPLIT=split,
@@ -1039,8 +1038,8 @@ def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
     if block_n & (block_n - 1):
         raise ValueError(f"{name}: expected warps x rows per program to be a power of 2, got "
                          f"num_warps={cfg['num_warps']}, ROWS={cfg['ROWS']}")
-    return dict(BLOCK_N=block_n, LANES=lanes, VEC=vec,
-                BPS=max(1, lanes * vec // SCALE_BLOCK), num_warps=cfg["num_warps"])
+    return dict(BLOCK_N=block_n, LANES=lanes, VEC=vec, BPS=max(1, lanes * vec // SCALE_BLOCK),
+                num_warps=cfg["num_warps"], **{k: cfg[k] for k in ("SPLIT", "SPLIT_FP8") if k in cfg})
 
 
 def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=None):
@@ -1057,7 +1056,7 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
     nb = triton.cdiv(H, cfg["BLOCK_N"])
-    split, part, cnt = _split_buffers("gemv_v2_down", T, H, nb, top_k, w_down, h)
+    split, part, cnt = _split_buffers(cfg, T, H, nb, top_k, w_down, h)
     _down_gemv_v2_kernel[(T, nb, split)](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt,
         H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"],

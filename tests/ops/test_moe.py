@@ -503,7 +503,7 @@ def test_t1_down_split_interpreter(interpreter, poisoned_buffers, monkeypatch, v
             assert torch.equal(scaled, (h.float() * lnw.float()).to(xdtype))
     from ember.kernels import moe as kmod
     monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", "8")
-    assert kmod._down_split("gemv_v2_down", 4, torch.device("cpu"), True) == 1  # does not divide top_k: one group
+    assert kmod._down_split(kmod.CPU_CONFIG["gemv_v2_down"], 4, True) == 1  # does not divide top_k: one group
     monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", "3")
     with pytest.raises(ValueError, match="EMBER_MOE_DOWN_SPLIT: expected 1, 2, 4 or 8, got '3'"):
         ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)

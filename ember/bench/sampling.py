@@ -169,7 +169,7 @@ def sweep(path: str | None = None) -> dict:
 # Fifth field LAG (``_softmax_lagged_kernel``: the barrier 1 or 2 rows behind, the chunk re-read from
 # L2): sm_90 compile (triton 3.6) 63-126 registers, no spills; H200: 100.8-130.9 us, all slower than
 # the default's 95.4 (sampling_waves_lag_sweep.json).
-WAVE_CONFIGS = ("8192,8,2,2", "8192,8,2,1", "8192,8,2,3", "4096,4,4,2", "4096,4,4,1", "8192,8,2,0", "8192,8,3,1",
+WAVE_CONFIGS = ("16384,16,1,2", "8192,8,2,2", "8192,8,2,1", "8192,8,2,3", "4096,4,4,2", "4096,4,4,1", "8192,8,2,0", "8192,8,3,1",
                 "4096,4,6,1", "2048,4,8,1",
                 "8192,8,2,0,1", "8192,8,2,0,2", "4096,8,2,0,2", "4096,8,3,0,2", "4096,4,4,0,2", "2048,4,8,0,2",
                 "16384,16,1,0,2")

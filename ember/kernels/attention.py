@@ -486,7 +486,7 @@ def qkv_proj_norm_rope_cache(x, weight, q_norm, k_norm, cos, sin, positions, k_c
     3.20 ms step, IF this GEMV runs at cuBLAS speed. Risk: only NH + 2 KVH = 40 programs (one per
     head, so each head's norm sees its whole D outputs), each streaming 512 KB; if one SM cannot
     pull ~100 GB/s the GEMV is slower than cuBLAS and the fusion loses. BK / warps / stages below
-    are untuned guesses; the next session should time B = 1 and 8 against the two-step path and,
+    are untuned guesses; a later change should time B = 1 and 8 against the two-step path and,
     if short, split H across a cluster or finish with a last-arriving-program epilogue.
     """
     B, H = x.shape

@@ -16,13 +16,14 @@ Two shapes of work:
         still holds in registers (the row is read once, not twice).
       - softmax / log-softmax of MANY long rows (B * P > SM count; ``_softmax_waves_kernel``): one
         persistent launch of as many programs as fit on the GPU at once (``wave_plan``); each row is
-        split over P programs and the programs walk the rows in waves, meeting at a per-row barrier
-        (only the row's P siblings) between publishing their chunk's (max, sum of exp) and writing the
-        normalised chunk from registers. Again x is read once: [256, 128256] fp32 moves 131 MB in +
-        131 MB out = 263 MB, 63 us at 4.15 TB/s copy bandwidth. Measured (H200, graph-timed): 93.6 us,
-        67.5% of copy bandwidth, against 107.9 us for the two launches, which read x twice (394 MB:
-        131 MB > the 50 MB L2, so the second read mostly misses) and 135.8 us for torch.softmax; the
-        80% target is missed (the kernel docstring has the sweep and what limits it).
+        split over P programs and the programs walk the rows in waves, meeting their row's P siblings
+        (tagged partial words, a relaxed counter as the hint of when to read them) between publishing
+        their chunk's (max, sum of exp) and writing the normalised chunk from registers. Again x is
+        read once: [256, 128256] fp32 moves 131 MB in + 131 MB out = 263 MB, 63 us at 4.15 TB/s copy
+        bandwidth. Measured (H200, graph-timed): 78.7-79.6 us, 79.4-80.4% of copy bandwidth, against
+        107.6 us for the two launches, which read x twice (394 MB: 131 MB > the 50 MB L2, so the
+        second read mostly misses) and 135-136 us for torch.softmax (the kernel docstring has the
+        sweeps).
       ``EMBER_SOFTMAX_ONE_LAUNCH=0`` forces the two-launch path for both softmax cases and for sampling (A/B timing).
     All keep their counters in a small persistent per-device workspace (``_workspace``) that every
     launch leaves in its initial state, so no memset launch is needed and the ops stay capturable.
@@ -103,6 +104,7 @@ INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.c
 # grid barrier: every launch adds exactly BARRIER_GEN to the counter (module docstring of
 # _softmax_one_launch_kernel), so it is a multiple of BARRIER_GEN between launches
 BARRIER_GEN = tl.constexpr(1 << 20)
+ROW_SLOT_WORDS = tl.constexpr(2 * MAX_PROGRAMS_PER_ROW)  # int64 words of tagged partials per row
 # polls before a one-launch softmax program gives up waiting and recomputes its row: at an
 # estimated (unmeasured) 0.3-1 us per poll of an L2 atomic, ~0.3-1 s, far beyond any real wait
 SPIN_CAP = 1 << 20
@@ -370,66 +372,119 @@ def _chunk_to_l2(x_ptr, sink_ptr, row, B, V, stride_x, c, CHUNK: tl.constexpr, L
     tl.store(sink_ptr + lane, done.to(tl.float32), mask=done != 0)  # never (keeps the asm alive)
 
 
+@triton.jit
+def _tagged(v, tag):
+    """float32 ``v`` and a 31-bit ``tag`` in one int64 word (tag in the high half). Aligned 64-bit
+    stores and loads are single-copy atomic: a reader that sees the tag sees the value stored with it."""
+    return (tag << 32) | (v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _untagged(w):
+    return (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tagged_row_poll(row_slots, P, tag, PB: tl.constexpr, FIRST: tl.constexpr):
+    """One read of a row's P tagged (max, sum of exp) pairs: (row max, sum of exp(z - max)); the sum
+    is +inf while some pair does not carry ``tag`` yet (a real one is at most the row length), so
+    the freshness check costs no reduction of its own. FIRST: a plain L2 read (.cg), else volatile
+    (a re-poll the compiler must not hoist)."""
+    k = tl.arange(0, PB)
+    km = k < P
+    base = row_slots + 2 * k
+    if FIRST:
+        wm = tl.load(base, mask=km, other=0, cache_modifier=".cg")
+        ws = tl.load(base + 1, mask=km, other=0, cache_modifier=".cg")
+    else:
+        wm = tl.load(base, mask=km, other=0, volatile=True)
+        ws = tl.load(base + 1, mask=km, other=0, volatile=True)
+    fresh = ((wm >> 32) == tag) & ((ws >> 32) == tag)
+    m = tl.where(km & fresh, _untagged(wm), -float("inf"))
+    M = tl.max(m, axis=0)
+    part = tl.where(m > -float("inf"), _untagged(ws) * tl.exp(m - M), 0.0)
+    return M, tl.sum(tl.where(fresh | (k >= P), part, float("inf")), axis=0)
+
+
+@triton.jit
+def _tagged_row_stats(row_slots, P, tag, spin_cap, PB: tl.constexpr):
+    """Wait (at most ``spin_cap`` reads) until all P programs of a row published their pair at
+    ``row_slots`` with ``tag``; returns (row max, sum of exp(z - max), gave up)."""
+    M, Z = _tagged_row_poll(row_slots, P, tag, PB, True)
+    polls = 1
+    while (Z == float("inf")) & (polls < spin_cap):
+        M, Z = _tagged_row_poll(row_slots, P, tag, PB, False)
+        polls += 1
+    return M, Z, Z == float("inf")
+
+
 # B, P, R, spin_cap: no divisibility / == 1 specialisation (it would compile a variant per batch
 # size and buys nothing); the strides and V keep theirs (vectorised loads and masks)
 @triton.jit(do_not_specialize=["B", "P", "R", "spin_cap"])
 def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_ptr, s_ptr, bar_ptr, row_bar_ptr,
-                          inv_t, spin_cap,
+                          inv_t, spin_cap, slot_ptr,
                           LOG: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr, PREFETCH: tl.constexpr,
                           FALLBACK_BLOCK: tl.constexpr, LD_POLL: tl.constexpr = False, PDL: tl.constexpr = False,
-                          LANES: tl.constexpr = 32, ESIZE: tl.constexpr = 4):
+                          LANES: tl.constexpr = 32, ESIZE: tl.constexpr = 4, HINTED: tl.constexpr = False):
     """Softmax of MANY rows split over P programs each, in ONE persistent launch that reads x once.
 
     The grid is R * P programs, all resident at once (``wave_plan``: at most SM count x programs per
     SM, with a register cap that lets that many fit). Program (r, c) = (pid // P, pid % P) owns chunk
     c of rows r, r + R, r + 2R, ... (wave i: rows i*R .. i*R + R - 1). Per row it loads its chunk,
-    publishes (max, sum of exp) to the row's partial slots, waits at the ROW's barrier (only its P
-    siblings, all resident: no deadlock), combines the P partials and writes the normalised chunk
-    from registers. The x row is read from HBM once: 4 bytes in + 4 out per fp32 element, so
-    [256, 128256] fp32 is 263 MB, a 63 us floor at 4.15 TB/s.
+    publishes (max, sum of exp) for the row, waits for its P siblings (all resident: no deadlock),
+    combines the P partials and writes the normalised chunk from registers. The x row is read from
+    HBM once: 4 bytes in + 4 out per fp32 element, so [256, 128256] fp32 is 263 MB, a 63 us floor at
+    4.15 TB/s; 80% of the measured copy bandwidth is 79.1 us.
 
-    Measured (H200, torch 2.11 / triton 3.6, ``wave_sweep``: [256, 128256] fp32, graph-timed, all
-    max|err| <= 1.4e-7, 0 give-ups; CHUNK,WARPS,PER_SM,PREFETCH -> programs = R x P):
-        two launches (x read twice)   107.86 us  58.6% of copy    torch.softmax  135.8 us
-        16384,16,1,1  128 = 16 x 8    114.36 us  55.3%            16384,16,1,0   122.69 us
-        8192,8,2,1    256 = 16 x 16    93.62 us  67.5%  (default) 8192,8,2,0     111.38 us
-        4096,4,4,1    512 = 16 x 32    93.52 us  67.6%            8192,16,1,1    128.07 us  (8 x 16)
-    Prefetch is worth ~18 us at the default (8 us at 16384,16,1); more (smaller) programs per SM
-    help (one per SM loses to two launches); 8192,8,2,1 and 4096,4,4,1 tie, the default is the one
-    with fewer programs (16 siblings per barrier, not 32). Best 67.6% of copy bandwidth: the 80%
-    target is MISSED.
-    What limits it (reasoning, not profiled): every configuration above has 16 rows in flight (an
-    SM's registers hold ~16K fp32 of chunk + ~16K of prefetch) and each program one row: per wave it
-    publishes, waits for its slowest sibling (a release/acquire round trip through L2), then writes.
-    The ~30 us above the floor is ~1.9 us per wave for 16 waves: the per-row barrier latency, which
-    a one-row prefetch only partly hides. What would close the gap: more rows in flight per wave
-    (PER_SM 3 / 6 under an 80-register cap, 24 rows: measured 96.8 us for 8192,8,3,1 and 110.8 us
-    for 4096,4,6,1, both spilling; 2048,4,8,1 116.0 us), or a prefetch two rows deep (a ring in
-    shared memory, not registers). Taking the barrier off the critical path does not help
-    (``_softmax_lagged_kernel``: 100.8 us at best), nor does giving each program a longer share of a
-    row (SUB chunks streamed twice, the second time from L2: 101-151 us; the trial kernel was not
-    kept, bench/results/h200/sampling_waves_segments_sweep.json). A deeper prefetch cannot come from
-    Triton's pipeliner: compiled for sm_90 (triton 3.6), a ``tl.range(..., num_stages=3)`` row loop
-    gets no cp.async for plain loads, and with a TMA descriptor load one 32 KB buffer, not three.
+    Softmax (not LOG) keeps exp(z - m) of its chunk from the statistics pass, so the output is one
+    multiply per element, not an exp and a divide: at 8192,8,2,2, 91.8 -> 84.0 us (the work sits
+    between the barrier and the stores of every wave; softmax_barrier_probe.json and raw/).
 
-    Row barrier: ``row_bar_ptr[row]``, generation based like the grid barrier of
+    HINTED (the default): the partials are int64 words, a 31-bit tag (the row barrier's generation
+    + 1) above the float's bits, stored relaxed in ``slot_ptr[row, 2c]`` / ``[row, 2c + 1]`` (a
+    layout independent of P); a 64-bit aligned store or load is single-copy atomic, so a word that
+    carries this launch's tag holds this launch's value. The row counter is then only a hint of when
+    to look: arrival is a relaxed ``atomic_add``, and after the counter completes the program reads
+    the row's 2P words once (re-reading any whose tag is older). The acq_rel arrival it replaces made
+    every program wait, once per row, until its earlier stores were performed, the previous row's
+    chunk of output among them. A word's tag only grows (each launch adds one generation to every
+    row it touches), and the slots are replaced whenever the workspace is (``_row_slots``), so a
+    stale word never carries the tag a launch looks for. H200 [256, 128256] fp32, same runs
+    (bench/results/h200/softmax_barrier_probe.json at the default shape, raw/ at 8192,8,2,2):
+        16384,16,1,2   acq_rel counter 91.5-92.0 us   hinted 79.0-79.6 us (79.4-80.0% of copy)
+        8192,8,2,2     acq_rel counter 83.6-84.4 us   hinted 80.5-81.4 us
+    Polling the tagged words without the counter was slower (91-116 us: every program re-reading
+    2P words), as was waiting for the counter's target derived from the generation instead of the
+    atomic's return (84.4 vs 79.6 us, the polls then start while the arrivals are still landing).
+    HINTED off: the partials are floats published by stores, CTA barrier, acq_rel arrival; acquire
+    polls, CTA barrier, ".cg" reads (the memory order of the grid barrier); kept for A/B.
+
+    Shapes (``wave_sweep``, CHUNK,WARPS,PER_SM,PREFETCH -> programs = R x P; hinted, exp once;
+    sampling_waves_hinted_sweep*.json): 16384,16,1,2 (128 = 16 x 8, the default) 78.7-78.9 us;
+    8192,8,2,2 (256 = 16 x 16) 80.4-81.0; 16384,16,1,1 / 1,3 81.1 / 81.3; 4096,4,4,2 85.7; more
+    programs per SM spill (8192,8,3,2 109 us). Before the two changes 8192,8,2,2 was the best at
+    92.1-93.6 us and 16384,16,1,x the worst (114 us): its 64 exps and divides per thread were on
+    the critical path. Two launches (x read twice) 107.6 us, torch.softmax 135-136 us.
+    Also measured, no better: ``_softmax_lagged_kernel`` (the barrier LAG rows behind: 100.8 us
+    at best, old kernel), longer shares of a row per program (sampling_waves_segments_sweep.json);
+    Triton's pipeliner gives a plain-load row loop no cp.async on sm_90 (triton 3.6).
+
+    Row counter: ``row_bar_ptr[row]``, generation based like the grid barrier of
     ``_softmax_one_launch_kernel``: chunk 0 adds BARRIER_GEN - (P - 1), the others 1, so each launch
     adds exactly BARRIER_GEN per row and the counter is a multiple of it between launches; arrival v
     -> complete at (v // BARRIER_GEN + 1) * BARRIER_GEN. One counter per row (not per wave slot):
-    a program that gave up on one row cannot confuse its siblings' counts on the next rows.
-    Memory order as in the grid barrier (partials stored -> CTA barrier -> release add; acquire
-    polls -> CTA barrier -> partials read from L2).
+    a program that gave up on one row cannot confuse its siblings' counts on the next rows. A
+    program reads its next row's generation one iteration ahead: it has not arrived there, so that
+    row cannot be complete and the value // BARRIER_GEN is the generation of this launch.
     PREFETCH: the next row's chunk is loaded (raw, converted only in the next iteration so no
-    instruction waits on it) right after the arrival, so the HBM read overlaps the barrier wait.
+    instruction waits on it) right after the arrival, so the HBM read overlaps the wait.
     PREFETCH >= 2 also has one lane bulk-prefetch (``cp.async.bulk.prefetch.L2``) the chunk PREFETCH
     rows ahead into L2: more bytes in flight per SM than registers allow, and the register load of
-    that row later hits L2 (2: 96.5 -> 92.4 us at [256, 128256] fp32, 66% -> 68% of copy bandwidth;
-    the default). The register loads are ``evict_first`` (each chunk is read once; 92.6 -> 91.5 us,
-    bench/results/h200/softmax_evict_probe.json). Still short of 80%: what remains is the barrier's
-    round trip per wave.
+    that row later hits L2. The register loads are ``evict_first`` (each chunk is read once; 92.6 ->
+    91.5 us with the old kernel, bench/results/h200/softmax_evict_probe.json).
     A program that polls ``spin_cap`` times without seeing its siblings recomputes the row's max and
-    sum from the whole row (exact, slow) and counts it in ``bar_ptr[1]``; the next row's barrier is
-    its own counter, unaffected.
+    sum from the whole row (exact, slow) and counts it in ``bar_ptr[1]``; the next row's counter is
+    its own, unaffected.
     """
     pdl_start(PDL)
     pid = tl.program_id(0)
@@ -442,15 +497,28 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     xr = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf"))
     for d in tl.static_range(2, PREFETCH):  # the L2 prefetch's first rows
         _chunk_to_l2(x_ptr, m_ptr, row + d * R, B, V, stride_x, c, CHUNK, LANES, ESIZE)
+    if HINTED:  # the row's generation before this program arrives (it cannot be complete yet)
+        gen = tl.load(row_bar_ptr + row, cache_modifier=".cg") // BARRIER_GEN
     for i in range(0, n_rows):
         row = (r + i * R).to(tl.int64)
         z = xr.to(tl.float32) * inv_t
-        m, s = _chunk_max_sum(z)
-        tl.store(m_ptr + row * P + c, m)
-        tl.store(s_ptr + row * P + c, s)
-        tl.debug_barrier()  # every thread's stores precede the release below
+        if LOG:
+            m, s = _chunk_max_sum(z)
+        else:  # keep exp(z - m): the output is then one multiply per element, not an exp and a divide
+            m = tl.max(z, axis=0)
+            z = tl.exp(z - tl.where(m == -float("inf"), 0.0, m))  # -inf entries -> 0 without a select
+            s = tl.sum(z, axis=0)
         add = _arrival(c == 0, P)
-        v = tl.atomic_add(row_bar_ptr + row, add, sem="acq_rel", scope="gpu")
+        if HINTED:  # tagged partials, relaxed: nothing waits for this program's earlier stores to drain
+            tag = (gen + 1) & 0x7FFFFFFF
+            tl.store(slot_ptr + row * ROW_SLOT_WORDS + 2 * c, _tagged(m, tag))
+            tl.store(slot_ptr + row * ROW_SLOT_WORDS + 2 * c + 1, _tagged(s, tag))
+            v = tl.atomic_add(row_bar_ptr + row, add, sem="relaxed", scope="gpu")  # when to look: a hint
+        else:
+            tl.store(m_ptr + row * P + c, m)
+            tl.store(s_ptr + row * P + c, s)
+            tl.debug_barrier()  # every thread's stores precede the release below
+            v = tl.atomic_add(row_bar_ptr + row, add, sem="acq_rel", scope="gpu")
         nxt = row + R
         # past the last row: an all-false mask (written as a comparison: the interpreter mis-types
         # block_mask & scalar_bool)
@@ -460,13 +528,24 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
                          eviction_policy="evict_first")
         if PREFETCH >= 2:  # and the chunk PREFETCH rows ahead into L2 (one bulk prefetch, no registers)
             _chunk_to_l2(x_ptr, m_ptr, row + PREFETCH * R, B, V, stride_x, c, CHUNK, LANES, ESIZE)
+        if HINTED:  # the next row's generation, read now (used next iteration)
+            gen_next = tl.load(row_bar_ptr + tl.minimum(nxt, B - 1), cache_modifier=".cg") // BARRIER_GEN
         gave_up = _barrier_wait(row_bar_ptr + row, v, add, spin_cap, LD_POLL)
-        tl.debug_barrier()
-        M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
+        if HINTED:
+            M, Z, stale = _tagged_row_stats(slot_ptr + row * ROW_SLOT_WORDS, P, tag, spin_cap, PB)
+            gave_up = gave_up | stale
+            gen = gen_next
+        else:
+            tl.debug_barrier()
+            M, Z = _row_max_sum(m_ptr, s_ptr, row, P, PB)
         if gave_up:  # the whole row from HBM (slow, exact, counted)
             M, Z = _row_max_sum_exact(x_ptr + row * stride_x, V, inv_t, FALLBACK_BLOCK)
             tl.atomic_add(bar_ptr + 1, 1)
-        tl.store(out_ptr + row * stride_out + cols, _normalised(z, M, Z, LOG), mask=mask)
+        if LOG:
+            y = _normalised(z, M, Z, LOG)
+        else:
+            y = z * (tl.exp(m - M) / Z)
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
         if not PREFETCH:
             xr = tl.load(x_ptr + nxt * stride_x + cols, mask=nxt_mask, other=-float("inf"),
                          eviction_policy="evict_first")
@@ -1255,6 +1334,29 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _workspace_buffer(device: torch.device, rows: int) -> torch.Tensor:
+    """The device's workspace with room for ``rows`` (see _workspace)."""
+    key = (device.type, device.index)
+    ws = _WORKSPACES.get(key)
+    if ws is None or _workspace_cap(ws) < rows:
+        cap = max(64, triton.next_power_of_2(rows))
+        fresh = _fresh_workspace(device, cap)
+        if _capturing(device):
+            warnings.warn("ember sampling: workspace first needed (or needed larger) during CUDA-graph capture; "
+                          "using a per-graph temporary with a captured fill (one extra node per replay). "
+                          f"Call the op once outside capture with >= {rows} rows to avoid it.", stacklevel=4)
+            return fresh
+        if ws is not None:
+            _OUTGROWN.append(ws)
+        ws = _WORKSPACES[key] = fresh
+    return ws
+
+
+def _workspace_views(ws: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cap = _workspace_cap(ws)
+    return ws[:2], ws[2:2 + rows], ws[2 + cap:].view(1 + NUCLEUS_ROUNDS, cap)[:, :rows]
+
+
 def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grid barrier [2], arrival count [rows], row barriers [1 + NUCLEUS_ROUNDS, rows]) views of the
     device's workspace, in their initial state (row barriers: [0] the many-row softmax's, [1 + r] the
@@ -1265,22 +1367,36 @@ def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Ten
     one extra node), and is not cached, because the eager state of memory allocated during capture is
     never initialised. Warm up once outside capture (as Triton's compile needs anyway) to avoid that.
     """
+    return _workspace_views(_workspace_buffer(device, rows), rows)
+
+
+# The many-row softmax's tagged row partials (``_softmax_waves_kernel`` HINTED): per device, int64
+# [rows, 2 * MAX_PROGRAMS_PER_ROW] (a layout that does not depend on P), zeroed when made and paired
+# with the workspace whose row counters give the tags: a new workspace (counters back at 0) gets new
+# slots, so a stale word's tag is always older than the generation a launch looks for.
+_ROW_SLOTS: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _row_slots(ws: torch.Tensor, rows: int) -> torch.Tensor:
+    """Tagged-partial slots for ``rows`` rows that go with workspace ``ws`` (a capture temporary ``ws``
+    gets a temporary, zero-filled on every replay like it)."""
+    device = ws.device
     key = (device.type, device.index)
-    ws = _WORKSPACES.get(key)
-    if ws is None or _workspace_cap(ws) < rows:
-        cap = max(64, triton.next_power_of_2(rows))
-        fresh = _fresh_workspace(device, cap)
-        if _capturing(device):
-            warnings.warn("ember sampling: workspace first needed (or needed larger) during CUDA-graph capture; "
+    owner, slots = _ROW_SLOTS.get(key, (None, None))
+    if owner is ws and slots.shape[0] >= rows:
+        return slots
+    fresh = torch.zeros((max(64, triton.next_power_of_2(rows)), int(ROW_SLOT_WORDS)), dtype=torch.int64,
+                        device=device)
+    if _capturing(device):
+        if _WORKSPACES.get(key) is ws:
+            warnings.warn("ember softmax: row slots first needed (or needed larger) during CUDA-graph capture; "
                           "using a per-graph temporary with a captured fill (one extra node per replay). "
                           f"Call the op once outside capture with >= {rows} rows to avoid it.", stacklevel=3)
-            ws = fresh
-        else:
-            if ws is not None:
-                _OUTGROWN.append(ws)
-            ws = _WORKSPACES[key] = fresh
-    cap = _workspace_cap(ws)
-    return ws[:2], ws[2:2 + rows], ws[2 + cap:].view(1 + NUCLEUS_ROUNDS, cap)[:, :rows]
+        return fresh
+    if slots is not None:
+        _OUTGROWN.append(slots)
+    _ROW_SLOTS[key] = (ws, fresh)
+    return fresh
 
 
 def barrier_give_ups(device: torch.device) -> int:
@@ -1367,14 +1483,14 @@ class WaveConfig(NamedTuple):
         return min(255, 65536 // (self.per_sm * self.warps * 32) // 8 * 8)
 
 
-# Measured best (H200, ember.bench.sampling.wave_sweep, [256, 128256] fp32): 93.6 us, 67.5% of copy
-# bandwidth, vs 114.4 us for 16384,16,1,1 and 107.9 us for two launches. 4096,4,4,1 ties (93.5 us)
-# with twice the programs; two programs of 8 warps per SM, 32 + 32 (prefetch) registers of chunk per
-# thread under the 128 cap, no spills. With the chunk two rows ahead bulk-prefetched into L2 as well
-# (prefetch 2): 92.1-93.2 us against 96.2-96.8 for prefetch 1 in the same runs (three pairs;
-# sampling_waves_l2_sweep.json); 3 rows ahead 103 us, 4-8 rows 108 us (L2 holds 16 rows in flight x
-# 513 KB per row ahead: from 3 ahead the prefetched rows start evicting each other).
-WAVES_DEFAULT = WaveConfig(8192, 8, 2, 2)
+# Measured best (H200, ember.bench.sampling.wave_sweep, [256, 128256] fp32): 16384,16,1,2, one
+# program of 16 warps per SM, 8 per row: 78.7-78.9 us = 80.2-80.4% of copy bandwidth against
+# 80.4-81.0 us for 8192,8,2,2 (16 per row, two per SM; the best before the output became one
+# multiply per element and the partials tagged words: 92.1-93.6 us then, and 16384,16,1,x the
+# worst at 114 us, its 64 exps and divides per thread on the critical path), 81.1 / 81.3 us with
+# prefetch 1 / 3, 90.7 with 4 (sampling_waves_hinted_sweep*.json). The chunk two rows ahead
+# bulk-prefetched into L2 (prefetch 2) wins at every shape tried.
+WAVES_DEFAULT = WaveConfig(16384, 16, 1, 2)
 
 
 def wave_config() -> WaveConfig:
@@ -1415,15 +1531,18 @@ def wave_plan(B: int, V: int, sms: int, cfg: WaveConfig) -> tuple[int, int, int]
 
 
 def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: bool, cfg: WaveConfig,
-                  P: int, R: int, spin_cap: int = SPIN_CAP):
+                  P: int, R: int, spin_cap: int = SPIN_CAP, hinted: bool = True):
     """The persistent row-barrier launch: R * P programs; the caller guarantees co-residency (wave_plan).
+    ``hinted``: ``_softmax_waves_kernel``'s HINTED (False: the acq_rel counter barrier, for A/B probes).
 
     Returns what Triton's launch returns (the compiled kernel on a GPU: its n_regs / n_spills for sweeps).
     """
     B, V = x2.shape
     part = torch.empty((2, B, P), dtype=torch.float32, device=x2.device)
-    barrier, _, row_barriers = _workspace(x2.device, B)
+    ws = _workspace_buffer(x2.device, B)
+    barrier, _, row_barriers = _workspace_views(ws, B)
     row_barrier = row_barriers[0]
+    slots = _row_slots(ws, B) if hinted and not cfg.lag else barrier
     if cfg.lag:
         return _softmax_lagged_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
                                                 barrier, row_barrier, 1.0 / temperature, spin_cap,
@@ -1432,8 +1551,8 @@ def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: 
                                                 LD_POLL=x2.device.type == "cuda", num_warps=cfg.warps,
                                                 maxnreg=cfg.max_registers(), **pdl_options(x2.device))
     return _softmax_waves_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
-                                    barrier, row_barrier, 1.0 / temperature, spin_cap,
-                                    LOG=log, CHUNK=cfg.chunk, PB=max(2, triton.next_power_of_2(P)),
+                                    barrier, row_barrier, 1.0 / temperature, spin_cap, slots,
+                                    LOG=log, CHUNK=cfg.chunk, PB=max(2, triton.next_power_of_2(P)), HINTED=hinted,
                                     PREFETCH=cfg.prefetch if cfg.prefetch < 2 or _bulk_ok(x2) else 1,
                                     LANES=32 * cfg.warps, ESIZE=x2.element_size(), FALLBACK_BLOCK=min(cfg.chunk, 2048),
                                     LD_POLL=x2.device.type == "cuda", num_warps=cfg.warps,

@@ -128,26 +128,66 @@ def test_one_launch_never_on_cpu_and_env_switch(interpreter, monkeypatch):
 
 # ------------------------------------------------------------------ many-row softmax (waves), CPU
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("prefetch,lag", [(0, 0), (1, 0), (0, 1), (0, 2)])
-def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch, lag):
+@pytest.mark.parametrize("prefetch,lag,hinted", [(0, 0, True), (1, 0, True), (1, 0, False), (0, 1, False),
+                                                 (0, 2, False)])
+def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch, lag, hinted):
     k = _k()
     B, V, P, R = 5, 4500, 5, 2      # chunks of 1024 (the last holds 404); rows 0, 2, 4 | 1, 3: a short last wave
     cfg = k.WaveConfig(1024, 4, 1, prefetch, lag)   # lag > 0: _softmax_lagged_kernel
     base = (torch.randn(B, V + 24) * 4).to(dtype)
     x = base[:, 8:8 + V]                               # rows not contiguous with each other
     x[3, 4400:] = -math.inf                            # -inf tail inside the partial chunk
+    x[4, 1024:2048] = -math.inf                        # a chunk that is -inf throughout
     barrier, _, row_bars = k._workspace(x.device, B)
     row_bar = row_bars[0]
     start, give_ups = row_bar.clone(), int(barrier[1])
     for call, (log, T) in enumerate(((False, 0.7), (True, 1.0), (False, 1.3))):
         out = poisoned((B, V), torch.float32, "cpu")
-        k.softmax_waves(x, out, T, log, cfg, P, R, spin_cap=2)
+        k.softmax_waves(x, out, T, log, cfg, P, R, spin_cap=2, hinted=hinted)
         exp = (torch.log_softmax if log else torch.softmax)(x.double() / T, -1)
         torch.testing.assert_close(out.double(), exp, **(LOG_SOFTMAX_TOL if log else SOFTMAX_TOL))
         # each launch adds exactly one generation per row; in each row all programs but the last
         # (the interpreter runs them in turn) gave up waiting and recomputed the row
         assert torch.equal(row_bar, start + (call + 1) * GEN)
         assert int(barrier[1]) == give_ups + (call + 1) * B * (P - 1)
+
+
+def test_softmax_waves_tags_from_earlier_launches_never_accepted_interpreter(interpreter):
+    """The hinted kernel's partials are int64 words tagged with the row's barrier generation + 1. The
+    interpreter runs programs in turn, so every program but a row's last finds its siblings' words
+    missing: it must read the words earlier launches left (other chunk sizes, so other programs per
+    row, same rows) as stale, give up and recompute the row. Any stale word taken for fresh shows up
+    as fewer give-ups (and a wrong row, had its value been off)."""
+    k = _k()
+    B, V = 6, 5000
+    x = torch.randn(B, V) * 3
+    exp = torch.softmax(x.double(), -1)
+    barrier, _, row_bars = k._workspace(x.device, B)
+    for chunk in (1024, 2048, 1024, 4096, 1024):
+        P = -(-V // chunk)
+        give_ups = int(barrier[1])
+        gen = row_bars[0][:B].clone()
+        out = poisoned((B, V), torch.float32, "cpu")
+        k.softmax_waves(x, out, 1.0, False, k.WaveConfig(chunk, 4, 1, 1), P, 3, spin_cap=2)
+        torch.testing.assert_close(out.double(), exp, **SOFTMAX_TOL)
+        assert int(barrier[1]) - give_ups == B * (P - 1)
+        slots = k._ROW_SLOTS[("cpu", None)][1][:B, :2 * P]
+        assert torch.equal(slots >> 32, (gen // GEN + 1)[:, None].expand(B, 2 * P))   # this launch's tags
+
+
+def test_softmax_waves_row_slots_follow_the_workspace(interpreter):
+    """Tags are row-counter generations: a new workspace (counters at 0) must come with new, zeroed
+    slots, or a word written under the old counters could carry the tag a new launch looks for."""
+    k = _k()
+    ws = k._workspace_buffer(torch.device("cpu"), 8)
+    slots = k._row_slots(ws, 8)
+    assert k._row_slots(ws, 4) is slots and k._row_slots(ws, 8) is slots
+    slots.fill_(123)
+    bigger = k._workspace_buffer(torch.device("cpu"), 4 * k._workspace_cap(ws))
+    assert bigger is not ws
+    fresh = k._row_slots(bigger, 8)
+    assert fresh is not slots and not fresh.any()
+    assert fresh.shape[1] == 2 * k.MAX_PROGRAMS_PER_ROW
 
 
 def test_wave_plan_balanced_waves_within_the_slots():
@@ -215,9 +255,9 @@ def test_softmax_path_by_shape(monkeypatch):
     assert k.softmax_path(300, 16384, 132, True) == ("row",)
     assert k.softmax_path(4, 128256, 132, True) == ("grid", 4096, 32)
     assert k.softmax_path(16, 128256, 132, True) == ("grid", 16384, 8)      # 128 programs
-    assert k.WAVES_DEFAULT == k.WaveConfig(8192, 8, 2, 2)                 # the measured best
-    assert k.softmax_path(17, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 16, 9)  # 2 waves
-    assert k.softmax_path(256, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 16, 16)
+    assert k.WAVES_DEFAULT == k.WaveConfig(16384, 16, 1, 2)               # the measured best
+    assert k.softmax_path(17, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 8, 9)   # 2 waves
+    assert k.softmax_path(256, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 8, 16)
     assert k.softmax_path(256, 128256, 132, False) == ("two",)              # EMBER_SOFTMAX_ONE_LAUNCH=0
     assert k.softmax_path(1, 1 << 20, 32, True) == ("two",)                  # a row needs 128 programs
     monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "16384,16,1,0")

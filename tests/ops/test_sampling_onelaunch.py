@@ -506,13 +506,19 @@ SAMPLE_MIXES = [dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.0),     # the
                 dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1),      # min-p race: per-program slots
                 dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0),      # greedy
                 dict(temperature=1.2, top_k=0, top_p=0.3, min_p=0.0),      # top-p alone
-                dict(temperature=0.9, top_k=200, top_p=1.0, min_p=0.0)]    # k > P: the bisection fallback
+                dict(temperature=0.9, top_k=200, top_p=1.0, min_p=0.0),    # k > P: the bisection fallback
+                dict(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0)]      # temperature alone: no barrier
+
+
+def _temperature_alone(mix) -> bool:
+    return mix["temperature"] > 0 and mix["top_k"] == 0 and mix["top_p"] >= 1.0 and mix["min_p"] == 0.0
 
 
 @pytest.mark.parametrize("mix", SAMPLE_MIXES)
 def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, mix):
     """With an int offset both paths draw the same Philox numbers: the same tokens. Programs run in
-    turn here, so all but the last of the grid give up at the barrier and recompute the row."""
+    turn here, so all but the last of the grid give up at the barrier and recompute the row (no
+    barrier at all when every row samples by temperature alone)."""
     k = _k()
     x = torch.randn(2, 20000) * 3                     # 20 programs a row
     x[1, :19000] = -math.inf                          # most of a row masked
@@ -527,7 +533,7 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
     assert bool((probs[torch.arange(2), one] > 0).all())
     # all but the grid's last program give up at the grid barrier; top-p alone adds the nucleus
     # search's rounds, where all but each row's last program give up (19 a row and round)
-    extra = int(barrier[1]) - give_ups - (2 * 20 - 1)
+    extra = int(barrier[1]) - give_ups - (0 if _temperature_alone(mix) else 2 * 20 - 1)
     nucleus = mix["top_k"] == 0 and 0 < mix["temperature"] and mix["top_p"] < 1.0
     assert (extra > 0 and extra % 19 == 0) if nucleus else extra == 0, extra
     assert int(barrier[0]) % GEN == 0
@@ -585,6 +591,21 @@ def test_wave_rows_plan():
     assert k.wave_rows_plan(5, 128256, 132) == (8192, 5)
     assert k.wave_rows_plan(64, 1 << 20, 132) == (16384, 2)   # 64 programs a row
     assert k.wave_rows_plan(64, 1 << 20, 32) is None
+
+
+def test_temperature_alone_is_known_only_from_scalars(monkeypatch):
+    k = _k()
+    monkeypatch.delenv("EMBER_SAMPLE_FREE_RACE", raising=False)
+    V = 128256
+    assert k._temperature_alone(0.7, 0, 1.0, 0.0, V)
+    assert k._temperature_alone(1.0, V, 1.0, 0.0, V)                 # top-k >= V is off
+    assert not k._temperature_alone(0.0, 0, 1.0, 0.0, V)             # greedy
+    assert not k._temperature_alone(0.7, 50, 1.0, 0.0, V)
+    assert not k._temperature_alone(0.7, 0, 0.9, 0.0, V)
+    assert not k._temperature_alone(0.7, 0, 1.0, 0.05, V)
+    assert not k._temperature_alone(torch.full((2,), 0.7), 0, 1.0, 0.0, V)  # per-row: unknown on the host
+    monkeypatch.setenv("EMBER_SAMPLE_FREE_RACE", "0")
+    assert not k._temperature_alone(0.7, 0, 1.0, 0.0, V)
 
 
 def test_waves_pay_unless_the_scalars_rule_out_top_p_alone(monkeypatch):
@@ -660,6 +681,45 @@ def test_gpu_sample_one_launch_equals_two_launches(cuda, monkeypatch, mix, V):
     torch.cuda.synchronize()
     _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
     assert k.barrier_give_ups(x.device) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 40])
+def test_gpu_sample_temperature_alone_without_barrier(cuda, monkeypatch, B):
+    """Scalar temperature alone takes the barrier-free race (1 row, 8 rows in one launch, 40 in
+    waves, forced: by default they take two launches): the tokens of the barrier path and of the two
+    launches for the same seed and offset, the offset advanced once per call, also when replayed in
+    a graph (fresh tokens each replay)."""
+    k = _k()
+    if B > 16:
+        monkeypatch.setenv("EMBER_SAMPLE_WAVES", "1")
+    calls = _count_wave_launches(monkeypatch, k, "sample_one_launch")
+    seed = torch.tensor([13], device=cuda)
+    for i in range(6):
+        x = torch.randn(B, 128256, device=cuda) * (1 + i % 3)
+        offs = [torch.full((1,), i, dtype=torch.int64, device=cuda) for _ in range(3)]
+        free = ember.ops.sample(x, temperature=0.8, seed=seed, offset=offs[0])
+        monkeypatch.setenv("EMBER_SAMPLE_FREE_RACE", "0")
+        barrier = ember.ops.sample(x, temperature=0.8, seed=seed, offset=offs[1])
+        monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
+        two = ember.ops.sample(x, temperature=0.8, seed=seed, offset=offs[2])
+        monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
+        monkeypatch.delenv("EMBER_SAMPLE_FREE_RACE")
+        assert torch.equal(free, barrier) and torch.equal(free, two), (i, free, barrier, two)
+        assert [int(o) for o in offs] == [i + 1] * 3
+    assert len(calls) == 12
+    off = torch.zeros(1, dtype=torch.int64, device=cuda)
+    ember.ops.sample(x, temperature=0.8, seed=seed, offset=off)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tok = ember.ops.sample(x, temperature=0.8, seed=seed, offset=off)
+    seen = set()
+    for _ in range(50):
+        g.replay()
+        seen.add(int(tok[0]))
+    assert off.item() == 51 and len(seen) > 5
+    torch.cuda.synchronize()
+    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
 
 
 @pytest.mark.gpu

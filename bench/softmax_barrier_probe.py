@@ -23,20 +23,12 @@ raw/softmax_barrier_probe_*.json.
 """
 from __future__ import annotations
 
-import json
-import statistics
 import sys
-from pathlib import Path
 
-import torch
-
-from softmax_evict_probe import _variant  # noqa: E402 (bench/ is on sys.path when run as a script)
-from ember.bench import _timing
-from ember.bench.sampling import COPY_BW_GBPS
+# bench/ is on sys.path when run as a script
+from softmax_evict_probe import STORE, _variant, time_variants  # noqa: E402
 from ember.kernels import sampling as ks
 
-SHAPE = (256, 128256)
-REPEATS = 3
 PREFETCHES = (2,)
 ARRIVAL = 'v = tl.atomic_add(row_bar_ptr + row, add, sem="acq_rel", scope="gpu")'
 WAIT = "gave_up = _barrier_wait(row_bar_ptr + row, v, add, spin_cap, LD_POLL)"
@@ -47,48 +39,19 @@ VOLATILE_WAIT = """target = (v // BARRIER_GEN + 1) * BARRIER_GEN
             cur = tl.load(row_bar_ptr + row, volatile=True)
             polls += 1
         gave_up = cur < target"""
-STORE = "tl.store(out_ptr + row * stride_out + cols, y, mask=mask)"
 
 
 def main(path: str | None = None) -> dict:
-    dev = torch.device("cuda")
-    xs = [torch.randn(SHAPE, device=dev) * 3 for _ in range(_timing.copies_to_exceed_l2(4 * SHAPE[0] * SHAPE[1]))]
-    ref = torch.softmax(xs[0].double(), -1)
-    nbytes = 2 * 4 * SHAPE[0] * SHAPE[1]
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    relaxed = _variant("relaxed_arrival", [(ARRIVAL, ARRIVAL.replace("acq_rel", "relaxed"))])
-    variants = {"counter": (ks, False), "hinted": (ks, True), "counter_relaxed_arrival": (relaxed, False),
-                "hinted_volatile_poll": (_variant("volatile_poll", [(WAIT, VOLATILE_WAIT)]), True),
-                "hinted_store_evict_first": (_variant("store_ef", [(STORE, STORE[:-1] + ', eviction_policy="evict_first")')]),
-                                             True),
-                "hinted_store_cs": (_variant("store_cs", [(STORE, STORE[:-1] + ', cache_modifier=".cs")')]), True)}
-    outs = [torch.empty(SHAPE, device=dev) for _ in xs]
-    res = {"shape": SHAPE, "repeats": REPEATS, "copy_bw_GBps": COPY_BW_GBPS, "variants": {}}
-    for pf in PREFETCHES:
-        cfg = ks.WAVES_DEFAULT._replace(prefetch=pf)
-        P, _, R = ks.wave_plan(SHAPE[0], SHAPE[1], sms, cfg)
-        times = {name: [] for name in variants}
-        errs, give_ups = {}, {}
-        for _ in range(REPEATS):
-            for name, (mod, hinted) in variants.items():
-                kw = dict(hinted=hinted)
-                before = mod.barrier_give_ups(dev)
-                mod.softmax_waves(xs[0], outs[0], 1.0, False, cfg, P, R, **kw)
-                errs[name] = (outs[0].double() - ref).abs().max().item()
-                calls = [lambda x=x, o=o, mod=mod, kw=kw: mod.softmax_waves(x, o, 1.0, False, cfg, P, R, **kw)
-                         for x, o in zip(xs, outs)]
-                times[name].append(_timing.graph_time_us(calls))
-                give_ups[name] = mod.barrier_give_ups(dev) - before
-        for name, v in times.items():
-            med = statistics.median(v)
-            frac = nbytes / med / 1e3 / COPY_BW_GBPS
-            res["variants"][f"{name}_prefetch{pf}"] = {"median_us": med, "all_us": v, "fraction_of_copy": frac,
-                                                       "max_abs_err": errs[name], "give_ups": give_ups[name]}
-            print(f"prefetch {pf} {name:>24}: {med:7.2f} us {frac:6.1%}  {[round(t, 1) for t in v]} "
-                  f"err {errs[name]:.1e} give-ups {give_ups[name]}", flush=True)
-    if path:
-        Path(path).write_text(json.dumps(res, indent=1))
-    return res
+    hinted, counter = dict(hinted=True), dict(hinted=False)
+    variants = {
+        "counter": (ks, counter), "hinted": (ks, hinted),
+        "counter_relaxed_arrival": (_variant("relaxed_arrival", [(ARRIVAL, ARRIVAL.replace("acq_rel", "relaxed"))]),
+                                    counter),
+        "hinted_volatile_poll": (_variant("volatile_poll", [(WAIT, VOLATILE_WAIT)]), hinted),
+        "hinted_store_evict_first": (_variant("store_ef", [(STORE, STORE[:-1] + ', eviction_policy="evict_first")')]),
+                                     hinted),
+        "hinted_store_cs": (_variant("store_cs", [(STORE, STORE[:-1] + ', cache_modifier=".cs")')]), hinted)}
+    return time_variants(variants, PREFETCHES, path)
 
 
 if __name__ == "__main__":

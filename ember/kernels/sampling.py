@@ -1366,6 +1366,12 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _warn_capture_temporary(what: str, rows: int) -> None:
+    warnings.warn(f"{what} first needed (or needed larger) during CUDA-graph capture; using a per-graph "
+                  "temporary with a captured fill (one extra node per replay). Call the op once outside "
+                  f"capture with >= {rows} rows to avoid it.", stacklevel=5)
+
+
 def _workspace_buffer(device: torch.device, rows: int) -> torch.Tensor:
     """The device's workspace with room for ``rows`` (see _workspace)."""
     key = (device.type, device.index)
@@ -1374,9 +1380,7 @@ def _workspace_buffer(device: torch.device, rows: int) -> torch.Tensor:
         cap = max(64, triton.next_power_of_2(rows))
         fresh = _fresh_workspace(device, cap)
         if _capturing(device):
-            warnings.warn("ember sampling: workspace first needed (or needed larger) during CUDA-graph capture; "
-                          "using a per-graph temporary with a captured fill (one extra node per replay). "
-                          f"Call the op once outside capture with >= {rows} rows to avoid it.", stacklevel=4)
+            _warn_capture_temporary("ember sampling: workspace", rows)
             return fresh
         if ws is not None:
             _OUTGROWN.append(ws)
@@ -1420,10 +1424,8 @@ def _row_slots(ws: torch.Tensor, rows: int) -> torch.Tensor:
     fresh = torch.zeros((max(64, triton.next_power_of_2(rows)), int(ROW_SLOT_WORDS)), dtype=torch.int64,
                         device=device)
     if _capturing(device):
-        if _WORKSPACES.get(key) is ws:
-            warnings.warn("ember softmax: row slots first needed (or needed larger) during CUDA-graph capture; "
-                          "using a per-graph temporary with a captured fill (one extra node per replay). "
-                          f"Call the op once outside capture with >= {rows} rows to avoid it.", stacklevel=3)
+        if _WORKSPACES.get(key) is ws:  # (a temporary workspace has warned already)
+            _warn_capture_temporary("ember softmax: row slots", rows)
         return fresh
     if slots is not None:
         _OUTGROWN.append(slots)

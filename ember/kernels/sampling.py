@@ -69,7 +69,10 @@ Where the one-launch sampler's time goes (H200 [1, 128256] T 0.7 / top-k 50 / to
 append (one relaxed reservation atomic, ~50 of the 126 programs) 1.15, arrival 0.7, the last
 program's selection 2.0 (sort of 128; 3.8 with the 512 sort). An acq_rel reservation: 8.7 us.
 Top-k rows then stopped reading the row statistics after the barrier (``_topk_sample``: the bound and
-the row max come from the piece maxima, the mass from the candidates): 8.60 -> 7.75 us.
+the row max come from the piece maxima, the mass from the candidates): 8.60 -> 7.75 us. Top-k known
+from the scalars then went to tagged words (``_topk_tagged_row``: no release drain at the barrier, the
+reservation and the arrival one relaxed atomic, a 64-block sort when the candidates fit): 7.80 ->
+6.66 us (bench/results/h200/sample_tagged_probe.json).
 Thresholds by counting ([n, n] comparisons in registers instead of sorts) measured slower: bound
 2.2 us, selection 6.2 us.
 """
@@ -107,6 +110,8 @@ INT64_MIN = tl.constexpr(-9223372036854775807 - 1)  # triton 3.6 reads only tl.c
 # _softmax_one_launch_kernel), so it is a multiple of BARRIER_GEN between launches
 BARRIER_GEN = tl.constexpr(1 << 20)
 ROW_SLOT_WORDS = tl.constexpr(2 * MAX_PROGRAMS_PER_ROW)  # int64 words of tagged partials per row
+GRID_MAXIMA_WORDS = tl.constexpr(MAX_PROGRAMS_PER_ROW)            # a row's tagged piece maxima, then
+GRID_SLOT_WORDS = tl.constexpr(MAX_PROGRAMS_PER_ROW + 2 * CAP)  # its CAP tagged candidate pairs
 # polls before a one-launch softmax program gives up waiting and recomputes its row: at an
 # estimated (unmeasured) 0.3-1 us per poll of an L2 atomic, ~0.3-1 s, far beyond any real wait
 SPIN_CAP = 1 << 20
@@ -459,7 +464,7 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     the row's 2P words once (re-reading any whose tag is older). The acq_rel arrival it replaces made
     every program wait, once per row, until its earlier stores were performed, the previous row's
     chunk of output among them. A word's tag only grows (each launch adds one generation to every
-    row it touches), and the slots are replaced whenever the workspace is (``_row_slots``), so a
+    row it touches), and the slots are replaced whenever the workspace is (``_tagged_slots``), so a
     stale word never carries the tag a launch looks for. H200 [256, 128256] fp32, same runs
     (bench/results/h200/softmax_barrier_probe.json at the default shape, raw/ at 8192,8,2,2):
         16384,16,1,2   acq_rel counter 91.5-92.0 us   hinted 79.0-79.6 us (79.4-80.0% of copy)
@@ -841,6 +846,13 @@ def _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, mass_above, se
     i = tl.arange(0, BLOCK)
     cz = tl.load(cand_z_ptr + row * CAP + i, mask=i < n, other=-float("inf"), cache_modifier=".cg")
     ci = tl.load(cand_i_ptr + row * CAP + i, mask=i < n, other=0, cache_modifier=".cg")
+    return _race_values(cz, ci, row, k, p, minp, M, Z, mass_above, seed, off, BLOCK)
+
+
+@triton.jit
+def _race_values(cz, ci, row, k, p, minp, M, Z, mass_above, seed, off, BLOCK: tl.constexpr):
+    """(packed winner, candidate mass) of the candidates ``cz`` (-inf padded) at columns ``ci``."""
+    i = tl.arange(0, BLOCK)
     tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, mass_above, BLOCK)
     keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
     key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
@@ -1074,7 +1086,8 @@ def _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, ou
                  cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SUB: tl.constexpr, QB: tl.constexpr,
                  CHUNK: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
                  SMALL_SORT: tl.constexpr, RESERVE_SEM: tl.constexpr):
-    """``_sample_row`` after the barrier for a top-k row (k > 0, t > 0): program c holds chunk z of
+    """``_sample_row`` after the barrier for a top-k row (k > 0, t > 0; rows whose top-k the host cannot
+    see, per-row tensors or waves; scalar top-k takes ``_topk_tagged_row``): program c holds chunk z of
     max m. The bound L (k-th largest piece max) and the row max M come from the published piece
     maxima alone: the candidates decide tau_k, tau_p and the mass they are taken against. H200
     [1, 128256] T 0.7 / top-k 50 / top-p 0.9, same-run A/B (sampler_ab_topk_skip.json): 8.60 -> 7.75 us
@@ -1110,6 +1123,124 @@ def _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, ou
         # Z: unused for k > 0 (the mass is the candidates'); 1.0 keeps the expressions finite
         tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, 1.0, L, n, cand_z_ptr, cand_i_ptr,
                                seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
+        tl.store(cnt_ptr + row, 0)
+        tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+@triton.jit
+def _tagged_load(ptrs, ok, FIRST: tl.constexpr):
+    """int64 words from L2 (FIRST: .cg; later polls volatile, so the compiler cannot hoist them)."""
+    if FIRST:
+        return tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg")
+    return tl.load(ptrs, mask=ok, other=0, volatile=True)
+
+
+@triton.jit
+def _await_tagged(ptr, n, tag, spin_cap, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
+    """The n tagged int64 words at ``ptr`` (PAIRS: n pairs of words, the second of each pair returned
+    apart) as [BLOCK] blocks (0 past n), re-read while some word does not carry ``tag`` yet, at most
+    ``spin_cap`` reads. Returns (first words, second words (= first without PAIRS), gave up)."""
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    if PAIRS:
+        i = 2 * i
+    a = _tagged_load(ptr + i, ok, True)
+    b = a
+    if PAIRS:
+        b = _tagged_load(ptr + i + 1, ok, True)
+    stale = tl.sum((ok & (((a >> 32) != tag) | ((b >> 32) != tag))).to(tl.int32), axis=0)
+    polls = 1
+    while (stale > 0) & (polls < spin_cap):
+        a = _tagged_load(ptr + i, ok, False)
+        b = a
+        if PAIRS:
+            b = _tagged_load(ptr + i + 1, ok, False)
+        stale = tl.sum((ok & (((a >> 32) != tag) | ((b >> 32) != tag))).to(tl.int32), axis=0)
+        polls += 1
+    return a, b, stale > 0
+
+
+@triton.jit
+def _race_tagged(cand_ptr, n, tag, row, k, p, minp, M, seed, off, spin_cap, BLOCK: tl.constexpr):
+    """(packed winner, gave up) over the row's n <= BLOCK tagged candidate pairs (tag | z, tag | column)."""
+    wz, wi, stale = _await_tagged(cand_ptr, n, tag, spin_cap, True, BLOCK)
+    cz = tl.where(tl.arange(0, BLOCK) < n, _untagged(wz), -float("inf"))
+    # Z: unused for k > 0 (the mass is the candidates'); 1.0 keeps the expressions finite
+    won, _ = _race_values(cz, (wi & 0xFFFFFFFF).to(tl.int32), row, k, p, minp, M, 1.0, 0.0, seed, off, BLOCK)
+    return won, stale
+
+
+@triton.jit
+def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_programs, out_ptr, offset_ptr,
+                     t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap,
+                     OFFSET_TENSOR: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
+                     CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
+                     SMALL_SORT: tl.constexpr, LD_POLL: tl.constexpr):
+    """Program c's part of row ``row`` (chunk ``z``) when the host knows every row takes top-k (scalar
+    t > 0, scalar 0 < k < V; grid case): ``_topk_sample``'s algorithm with no release drain and no
+    reservation round trip. The piece maxima are tagged int64 words (``_tagged``; the tag is the grid
+    counter's generation + 1, read before this program arrives), stored relaxed; the arrival is
+    relaxed, the counter only says when to read, and a reader re-reads any word with an older tag.
+    A sender reserves its slots and arrives in one relaxed atomic on the row's counter (+ 1 << 32 +
+    its count) and then stores its candidates as tagged pairs; the last sender knows the list's
+    length from that atomic and re-reads the pairs until all carry the tag. Slots ``slots[row]``:
+    [GRID_MAXIMA_WORDS] maxima, then [CAP] pairs (``_tagged_slots(ws, rows, "grid")``: tags only grow there)."""
+    rs = slots + row * GRID_SLOT_WORDS
+    if SUB == 1:
+        m = tl.max(z, axis=0)
+        tl.store(rs + c, _tagged(m, tag))
+    else:  # the maxima of the chunk's SUB pieces: the candidate bound's granularity
+        pm = tl.max(tl.reshape(z, [SUB, CHUNK // SUB]), axis=1)
+        tl.store(rs + c * SUB + tl.arange(0, SUB), _tagged(pm, tag))
+        m = tl.max(pm, axis=0)
+    first_prog = (row == 0) & (c == 0)
+    add = _arrival(first_prog, n_programs)
+    v = tl.atomic_add(bar_ptr, add, sem="relaxed", scope="gpu")  # when to look: a hint
+    gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)
+    if OFFSET_TENSOR:
+        if first_prog:  # every program read it (acquire) before arriving
+            tl.store(offset_ptr, off + 1)
+    wm, _, stale = _await_tagged(rs, P * SUB, tag, spin_cap, False, QB)
+    iq = tl.arange(0, QB)
+    piece_max = tl.where(iq < P * SUB, _untagged(wm), -float("inf"))
+    if gave_up | stale:  # the maxima from the row itself (exact, slow, counted)
+        piece_max = _piece_maxima_exact(x_ptr + row * stride_x, V, t, P * SUB, CHUNK // SUB, QB)
+        tl.atomic_add(bar_ptr + 1, 1)
+    M = tl.max(piece_max, axis=0)
+    L = _candidate_bound(piece_max, k, p, P * SUB, V, QB, CAP, KC)
+    chunk_max = tl.max(tl.reshape(piece_max, [QB // SUB, SUB]), axis=1)
+    senders = tl.sum(((chunk_max >= L) & (chunk_max > -float("inf"))).to(tl.int32), axis=0)
+    finish = (senders == 0) & (c == 0)   # no sender (L = +inf): program 0 takes the fallback
+    n = senders * 0
+    cand = rs + GRID_MAXIMA_WORDS
+    if (m >= L) & (m > -float("inf")):
+        is_cand = inb & (z >= L) & (z > -float("inf"))
+        mine = tl.sum(is_cand.to(tl.int32), axis=0)
+        old = tl.atomic_add(cnt_ptr + row, (1 << 32) + mine.to(tl.int64), sem="relaxed", scope="gpu")
+        base = (old & 0xFFFFFFFF).to(tl.int32)
+        slot = base + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1
+        ok = is_cand & (slot < CAP)
+        tl.store(cand + 2 * slot, _tagged(z, tag), mask=ok)
+        tl.store(cand + 2 * slot + 1, (tag << 32) | cols.to(tl.int64), mask=ok)
+        finish = (old >> 32) == senders - 1
+        n = base + mine
+    if finish:
+        exact = (L == float("inf")) | (n > CAP)   # no bound (k above the pieces) or an overflowed list
+        won = tl.full([], 0, tl.int64)
+        if exact == 0:
+            if n <= SMALL_SORT // 2:   # H200 [1, 128256] k 50: 6.79 -> 6.66 us (n ~ 55-82 there)
+                won, late = _race_tagged(cand, n, tag, row, k, p, minp, M, seed, off, spin_cap, SMALL_SORT // 2)
+            elif n <= SMALL_SORT:
+                won, late = _race_tagged(cand, n, tag, row, k, p, minp, M, seed, off, spin_cap, SMALL_SORT)
+            else:
+                won, late = _race_tagged(cand, n, tag, row, k, p, minp, M, seed, off, spin_cap, CAP)
+            if late:  # pairs that never came (counted): exact
+                tl.atomic_add(bar_ptr + 1, 1)
+            exact = late
+        if exact:
+            tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off, FALLBACK_BLOCK)
+        else:
+            tok = _token(won)
         tl.store(cnt_ptr + row, 0)
         tl.store(out_ptr + row, tok.to(tl.int64))
 
@@ -1244,7 +1375,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
                               FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr,
                               RESERVE_SEM: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
                               WAVES: tl.constexpr = False, LD_POLL: tl.constexpr = False,
-                              PDL: tl.constexpr = False, FREE: tl.constexpr = False):
+                              PDL: tl.constexpr = False, FREE: tl.constexpr = False,
+                              TAGGED: tl.constexpr = False, slots=None):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
     meets the others at the grid barrier, and goes on from the chunk it still holds in registers.
@@ -1269,10 +1401,55 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
 
     FREE (the host knows every row samples by temperature alone): no barrier at all; each program
     races its chunk into its slot (``_free_race_row``), the offset advanced as in WAVES.
+
+    TAGGED (the host knows every row takes top-k: scalar t > 0, scalar 0 < k < V; not WAVES): the
+    piece maxima and the candidates are tagged words in ``slots`` behind relaxed atomics
+    (``_topk_tagged_row``); the rest of the kernel's paths are ``_sample_rows``.
     """
     pdl_start(PDL)
     g = tl.program_id(0)
     c = tl.program_id(1)
+    if TAGGED:
+        row = g.to(tl.int64)
+        t, k, p, minp, seed = _row_sampling_params(t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr,
+                                                   mp_scalar, seed_ptr, seed_scalar, row, V, T_PER_ROW, K_PER_ROW,
+                                                   P_PER_ROW, MP_PER_ROW, SEED_MODE)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        inb = cols < V
+        z = tl.load(x_ptr + row * stride_x + cols, mask=inb, other=-float("inf")).to(tl.float32) / t
+        # issued after the chunk's load: the acquire orders this program's arrival after the read
+        # of the offset (which program (0, 0) advances once all have arrived) without delaying x
+        if OFFSET_TENSOR:
+            if LD_POLL:
+                off = _ld_acquire(offset_ptr)
+            else:
+                off = tl.load(offset_ptr)
+        else:
+            off = tl.cast(offset_scalar, tl.int64)
+        tag = (tl.load(bar_ptr, cache_modifier=".cg") // BARRIER_GEN + 1) & 0x7FFFFFFF  # not complete yet
+        _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_programs, out_ptr, offset_ptr,
+                         t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap, OFFSET_TENSOR, CHUNK, SUB, QB,
+                         CAP, KC, FALLBACK_BLOCK, SMALL_SORT, LD_POLL)
+    else:
+        _sample_rows(g, c, x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,
+                     t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar, seed_ptr, seed_scalar,
+                     offset_ptr, offset_scalar, pg_ptr, pn_ptr, round_bar_ptr, round_bar_stride, row_bar_ptr, bar_ptr,
+                     cnt_ptr, cand_z_ptr, cand_i_ptr, spin_cap, T_PER_ROW, K_PER_ROW, P_PER_ROW, MP_PER_ROW,
+                     SEED_MODE, OFFSET_TENSOR, CHUNK, PB, SUB, QB, CAP, KC, FALLBACK_BLOCK, SMALL_SORT, RESERVE_SEM,
+                     NB, ROUNDS, WAVES, LD_POLL, FREE)
+
+
+@triton.jit
+def _sample_rows(g, c, x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,
+                 t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar, seed_ptr, seed_scalar,
+                 offset_ptr, offset_scalar, pg_ptr, pn_ptr, round_bar_ptr, round_bar_stride, row_bar_ptr, bar_ptr,
+                 cnt_ptr, cand_z_ptr, cand_i_ptr, spin_cap, T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr,
+                 P_PER_ROW: tl.constexpr, MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr,
+                 OFFSET_TENSOR: tl.constexpr, CHUNK: tl.constexpr, PB: tl.constexpr, SUB: tl.constexpr,
+                 QB: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
+                 SMALL_SORT: tl.constexpr, RESERVE_SEM: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
+                 WAVES: tl.constexpr, LD_POLL: tl.constexpr, FREE: tl.constexpr):
+    """``_sample_one_launch_kernel`` without TAGGED: program (g, c)'s rows (one, or waves, or free races)."""
     if OFFSET_TENSOR:
         off = tl.load(offset_ptr)
     else:
@@ -1406,30 +1583,33 @@ def _workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Ten
     return _workspace_views(_workspace_buffer(device, rows), rows)
 
 
-# The many-row softmax's tagged row partials (``_softmax_waves_kernel`` HINTED): per device, int64
-# [rows, 2 * MAX_PROGRAMS_PER_ROW] (a layout that does not depend on P), zeroed when made and paired
-# with the workspace whose row counters give the tags: a new workspace (counters back at 0) gets new
-# slots, so a stale word's tag is always older than the generation a launch looks for.
-_ROW_SLOTS: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+# Tagged-word slots, per device and kind, zeroed when made and paired with the workspace whose
+# counters give the tags: a new workspace (counters back at 0) gets new slots, so a stale word's tag
+# is always older than the generation a launch looks for. "row": the many-row softmax's partials
+# (``_softmax_waves_kernel`` HINTED), int64 [rows, ROW_SLOT_WORDS] (a layout that does not depend on
+# P), tags from the row counters; "grid": the one-launch top-k sampler's piece maxima and candidate
+# pairs (``_topk_tagged_row``), [rows, GRID_SLOT_WORDS], tags from the grid counter.
+_SLOTS: dict[tuple[str, str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+_SLOT_WORDS = {"row": int(ROW_SLOT_WORDS), "grid": int(GRID_SLOT_WORDS)}
 
 
-def _row_slots(ws: torch.Tensor, rows: int) -> torch.Tensor:
-    """Tagged-partial slots for ``rows`` rows that go with workspace ``ws`` (a capture temporary ``ws``
-    gets a temporary, zero-filled on every replay like it)."""
+def _tagged_slots(ws: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
+    """Tagged-word slots of ``kind`` for ``rows`` rows that go with workspace ``ws`` (a capture temporary
+    ``ws`` gets a temporary, zero-filled on every replay like it)."""
     device = ws.device
-    key = (device.type, device.index)
-    owner, slots = _ROW_SLOTS.get(key, (None, None))
+    key = (kind, device.type, device.index)
+    owner, slots = _SLOTS.get(key, (None, None))
     if owner is ws and slots.shape[0] >= rows:
         return slots
-    fresh = torch.zeros((max(64, triton.next_power_of_2(rows)), int(ROW_SLOT_WORDS)), dtype=torch.int64,
+    fresh = torch.zeros((max(64, triton.next_power_of_2(rows)), _SLOT_WORDS[kind]), dtype=torch.int64,
                         device=device)
     if _capturing(device):
-        if _WORKSPACES.get(key) is ws:  # (a temporary workspace has warned already)
-            _warn_capture_temporary("ember softmax: row slots", rows)
+        if _WORKSPACES.get((device.type, device.index)) is ws:  # (a temporary workspace has warned already)
+            _warn_capture_temporary(f"ember sampling: {kind} slots", rows)
         return fresh
     if slots is not None:
         _OUTGROWN.append(slots)
-    _ROW_SLOTS[key] = (ws, fresh)
+    _SLOTS[key] = (ws, fresh)
     return fresh
 
 
@@ -1576,7 +1756,7 @@ def softmax_waves(x2: torch.Tensor, out: torch.Tensor, temperature: float, log: 
     ws = _workspace_buffer(x2.device, B)
     barrier, _, row_barriers = _workspace_views(ws, B)
     row_barrier = row_barriers[0]
-    slots = _row_slots(ws, B) if hinted and not cfg.lag else barrier
+    slots = _tagged_slots(ws, B, "row") if hinted and not cfg.lag else barrier
     if cfg.lag:
         return _softmax_lagged_kernel[(R * P,)](x2, out, x2.stride(0), out.stride(0), B, V, P, R, part[0], part[1],
                                                 barrier, row_barrier, 1.0 / temperature, spin_cap,
@@ -1788,12 +1968,15 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
     cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
     pivots = torch.empty((2, B, NUCLEUS_ROUNDS, P, NUCLEUS_PIVOTS), dtype=torch.float32, device=dev)  # mass, count
-    barrier, count, row_barriers = _workspace(dev, B)
+    ws = _workspace_buffer(dev, B)
+    barrier, count, row_barriers = _workspace_views(ws, B)
     round_barriers = row_barriers[1:]
     has_off = isinstance(offset, torch.Tensor)
     args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
     topk_on = isinstance(top_k, torch.Tensor) or 0 < top_k < V
     free = _temperature_alone(temperature, top_k, top_p, min_p, V)
+    tagged = G == B and _topk_tagged(temperature, top_k, V)
+    grid_slots = _tagged_slots(ws, B, "grid") if tagged else None
     _sample_one_launch_kernel[(G, P)](
         x2, x2.stride(0), B, G, V, P, G * P, part[0], part[1], part[2].view(torch.int32), piece_max, slots, out,
         *args, offset.view(-1) if has_off else slots, 0 if has_off else int(offset or 0), pivots[0],
@@ -1802,7 +1985,19 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         OFFSET_TENSOR=has_off, CHUNK=chunk, PB=PB, SUB=sub, QB=max(2, triton.next_power_of_2(P * sub)), CAP=cap,
         KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
         SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, NB=NUCLEUS_PIVOTS, ROUNDS=NUCLEUS_ROUNDS,
-        LD_POLL=dev.type == "cuda", FREE=free, num_warps=_sample_warps(base, sub, topk_on), **pdl_options(dev))
+        LD_POLL=dev.type == "cuda", FREE=free, TAGGED=tagged, slots=grid_slots,
+        num_warps=_sample_warps(base, sub, topk_on), **pdl_options(dev))
+
+
+def _topk_tagged(temperature, top_k, V: int) -> bool:
+    """Whether every row of a one-launch (not waves) sample takes top-k, known from the scalars: t > 0
+    and 0 < k < V (top-p and min-p may be anything, per-row too). Such a launch takes the tagged-word
+    path (``_topk_tagged_row``); ``EMBER_SAMPLE_TAGGED=0`` keeps ``_topk_sample`` (A/B timing)."""
+    if os.environ.get("EMBER_SAMPLE_TAGGED", "1") == "0":
+        return False
+    if isinstance(temperature, torch.Tensor) or isinstance(top_k, torch.Tensor):
+        return False
+    return temperature > 0.0 and 0 < top_k < V
 
 
 def _temperature_alone(temperature, top_k, top_p, min_p, V: int) -> bool:

@@ -171,23 +171,27 @@ def test_softmax_waves_tags_from_earlier_launches_never_accepted_interpreter(int
         k.softmax_waves(x, out, 1.0, False, k.WaveConfig(chunk, 4, 1, 1), P, 3, spin_cap=2)
         torch.testing.assert_close(out.double(), exp, **SOFTMAX_TOL)
         assert int(barrier[1]) - give_ups == B * (P - 1)
-        slots = k._ROW_SLOTS[("cpu", None)][1][:B, :2 * P]
+        slots = k._SLOTS[("row", "cpu", None)][1][:B, :2 * P]
         assert torch.equal(slots >> 32, (gen // GEN + 1)[:, None].expand(B, 2 * P))   # this launch's tags
 
 
-def test_softmax_waves_row_slots_follow_the_workspace(interpreter):
-    """Tags are row-counter generations: a new workspace (counters at 0) must come with new, zeroed
-    slots, or a word written under the old counters could carry the tag a new launch looks for."""
+@pytest.mark.parametrize("kind, words", [("row", 2 * 128), ("grid", 128 + 2 * 512)])
+def test_tagged_slots_follow_the_workspace(interpreter, kind, words):
+    """Tags are counter generations: a new workspace (counters at 0) must come with new, zeroed
+    slots, or a word written under the old counters could carry the tag a new launch looks for.
+    Each kind has its own slots (their tags come from different counters)."""
     k = _k()
     ws = k._workspace_buffer(torch.device("cpu"), 8)
-    slots = k._row_slots(ws, 8)
-    assert k._row_slots(ws, 4) is slots and k._row_slots(ws, 8) is slots
+    slots = k._tagged_slots(ws, 8, kind)
+    assert k._tagged_slots(ws, 4, kind) is slots and k._tagged_slots(ws, 8, kind) is slots
+    other = "grid" if kind == "row" else "row"
+    assert k._tagged_slots(ws, 8, other).data_ptr() != slots.data_ptr()
     slots.fill_(123)
     bigger = k._workspace_buffer(torch.device("cpu"), 4 * k._workspace_cap(ws))
     assert bigger is not ws
-    fresh = k._row_slots(bigger, 8)
+    fresh = k._tagged_slots(bigger, 8, kind)
     assert fresh is not slots and not fresh.any()
-    assert fresh.shape[1] == 2 * k.MAX_PROGRAMS_PER_ROW
+    assert fresh.shape[1] == words
 
 
 def test_wave_plan_balanced_waves_within_the_slots():
@@ -606,6 +610,19 @@ def test_temperature_alone_is_known_only_from_scalars(monkeypatch):
     assert not k._temperature_alone(torch.full((2,), 0.7), 0, 1.0, 0.0, V)  # per-row: unknown on the host
     monkeypatch.setenv("EMBER_SAMPLE_FREE_RACE", "0")
     assert not k._temperature_alone(0.7, 0, 1.0, 0.0, V)
+
+
+def test_topk_tagged_is_known_only_from_scalars(monkeypatch):
+    k = _k()
+    monkeypatch.delenv("EMBER_SAMPLE_TAGGED", raising=False)
+    V = 128256
+    assert k._topk_tagged(0.7, 50, V) and k._topk_tagged(1.0, 1, V)
+    assert not k._topk_tagged(0.0, 50, V)                            # greedy
+    assert not k._topk_tagged(0.7, 0, V) and not k._topk_tagged(0.7, V, V)   # top-k off
+    assert not k._topk_tagged(torch.full((2,), 0.7), 50, V)          # per-row: unknown on the host
+    assert not k._topk_tagged(0.7, torch.full((2,), 50), V)
+    monkeypatch.setenv("EMBER_SAMPLE_TAGGED", "0")
+    assert not k._topk_tagged(0.7, 50, V)
 
 
 def test_waves_pay_unless_the_scalars_rule_out_top_p_alone(monkeypatch):

@@ -1,0 +1,62 @@
+"""Top-k sampler, tagged words vs the acq_rel path (H200, graph-timed, fp32 rows of 128256).
+
+``_topk_tagged_row`` (scalar t > 0 and 0 < k < V, one launch) publishes the piece maxima and the
+candidates as tagged int64 words behind relaxed atomics; ``EMBER_SAMPLE_TAGGED=0`` keeps
+``_topk_sample`` (stores, acq_rel arrival, a reservation atomic before the candidates' stores and
+an acq_rel arrival after them). This times both, alternating REPEATS times, and checks that they
+draw the same tokens for the same seed and offset.
+
+    python bench/sample_tagged_probe.py OUT_JSON
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from ember.bench import _timing, env_vars
+from ember.kernels import sampling as ks
+
+V = 128256
+REPEATS = 3
+MIXES = {"1x_t0.7_k50_p0.9": (1, 0.7, 50, 0.9, 0.0), "1x_t0.7_k50": (1, 0.7, 50, 1.0, 0.0),
+         "1x_t0.7_k50_p0.9_minp0.05": (1, 0.7, 50, 0.9, 0.05), "1x_t1.0_k1": (1, 1.0, 1, 1.0, 0.0),
+         "4x_t0.7_k50_p0.9": (4, 0.7, 50, 0.9, 0.0)}
+# label -> environment; tokens compared with the first
+VARIANTS = {"tagged": {}, "acq_rel": {"EMBER_SAMPLE_TAGGED": "0"}}
+
+
+def main(path: str | None = None) -> dict:
+    seed = torch.tensor([5], device="cuda")
+    res = {"repeats": REPEATS, "mixes": {}}
+    for name, (B, T, k, p, minp) in MIXES.items():
+        xs = [torch.randn(B, V, device="cuda") * 3 for _ in range(_timing.copies_to_exceed_l2(4 * B * V))]
+        times = {label: [] for label in VARIANTS}
+        tokens = {}
+        for _ in range(REPEATS):
+            for label, env in VARIANTS.items():
+                with env_vars(env):
+                    def call(x):
+                        out = torch.empty(B, dtype=torch.int64, device="cuda")
+                        ks.sample(x, out, T, k, p, minp, seed, 7)
+                        return out
+                    tokens[label] = [call(x).tolist() for x in xs[:6]]
+                    times[label].append(_timing.graph_time_us([lambda x=x: call(x) for x in xs]))
+        same = all(t == tokens["tagged"] for t in tokens.values())
+        res["mixes"][name] = {label: {"median_us": statistics.median(v), "all_us": v} for label, v in times.items()}
+        res["mixes"][name]["tokens_equal"] = same
+        for label, v in times.items():
+            print(f"{name:>26} {label:>8}: {statistics.median(v):6.2f} us {[round(t, 2) for t in v]}", flush=True)
+        print(f"{name:>26} same tokens: {same}", flush=True)
+    res["give_ups"] = ks.barrier_give_ups(torch.device("cuda"))
+    print("barrier give-ups:", res["give_ups"])
+    if path:
+        Path(path).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)

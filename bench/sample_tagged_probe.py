@@ -4,7 +4,11 @@
 candidates as tagged int64 words behind relaxed atomics; ``EMBER_SAMPLE_TAGGED=0`` keeps
 ``_topk_sample`` (stores, acq_rel arrival, a reservation atomic before the candidates' stores and
 an acq_rel arrival after them). This times both, alternating REPEATS times, and checks that they
-draw the same tokens for the same seed and offset.
+draw the same tokens for the same seed and offset. With an offset tensor (what ``ember.ops.sample``
+passes) every program of the tagged path reads it with ``ld.acquire`` and program (0, 0) advances it;
+``EMBER_SAMPLE_OFFSET_BY_FINISHER=1`` (one row) lets the row's finisher read and advance it instead.
+bench/results/h200/sample_tagged_probe.json was measured with the int offset variants only (and
+since-removed ones: raw/README.md); the offset-tensor variants are for the next run.
 
     python bench/sample_tagged_probe.py OUT_JSON
 """
@@ -22,28 +26,40 @@ from ember.kernels import sampling as ks
 
 V = 128256
 REPEATS = 3
-MIXES = {"1x_t0.7_k50_p0.9": (1, 0.7, 50, 0.9, 0.0), "1x_t0.7_k50": (1, 0.7, 50, 1.0, 0.0),
-         "1x_t0.7_k50_p0.9_minp0.05": (1, 0.7, 50, 0.9, 0.05), "1x_t1.0_k1": (1, 1.0, 1, 1.0, 0.0),
-         "4x_t0.7_k50_p0.9": (4, 0.7, 50, 0.9, 0.0)}
-# label -> environment; tokens compared with the first
-VARIANTS = {"tagged": {}, "acq_rel": {"EMBER_SAMPLE_TAGGED": "0"}}
+MIXES = {"1x_t0.7_k50_p0.9": (1, 0.7, 50, 0.9, 0.0), "1x_t1.0_k1": (1, 1.0, 1, 1.0, 0.0),
+         "4x_t0.7_k50_p0.9": (4, 0.7, 50, 0.9, 0.0)}   # (earlier runs also: k50 alone, k50 + p0.9 + min-p 0.05)
+# label -> (environment, offset as an int or as a one-element tensor, as ember.ops.sample and the
+# engine pass it); tokens compared with the first
+VARIANTS = {"tagged": ({}, "int"), "acq_rel": ({"EMBER_SAMPLE_TAGGED": "0"}, "int"),
+            "tagged_offset_tensor": ({}, "tensor"),
+            "tagged_offset_by_finisher": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "1"}, "tensor"),
+            "acq_rel_offset_tensor": ({"EMBER_SAMPLE_TAGGED": "0"}, "tensor")}
+
+
+def _at_7(call, x, offset) -> list[int]:
+    """The tokens of a call from offset tensor 7 (every variant draws from offset 7)."""
+    offset.fill_(7)
+    tok = call(x).tolist()
+    assert int(offset) == 8, "the offset tensor must advance once per call"
+    return tok
 
 
 def main(path: str | None = None) -> dict:
     seed = torch.tensor([5], device="cuda")
+    offset = torch.zeros(1, dtype=torch.int64, device="cuda")
     res = {"repeats": REPEATS, "mixes": {}}
     for name, (B, T, k, p, minp) in MIXES.items():
         xs = [torch.randn(B, V, device="cuda") * 3 for _ in range(_timing.copies_to_exceed_l2(4 * B * V))]
         times = {label: [] for label in VARIANTS}
         tokens = {}
         for _ in range(REPEATS):
-            for label, env in VARIANTS.items():
+            for label, (env, kind) in VARIANTS.items():
                 with env_vars(env):
-                    def call(x):
+                    def call(x, kind=kind):
                         out = torch.empty(B, dtype=torch.int64, device="cuda")
-                        ks.sample(x, out, T, k, p, minp, seed, 7)
+                        ks.sample(x, out, T, k, p, minp, seed, offset if kind == "tensor" else 7)
                         return out
-                    tokens[label] = [call(x).tolist() for x in xs[:6]]
+                    tokens[label] = [call(x).tolist() if kind == "int" else _at_7(call, x, offset) for x in xs[:6]]
                     times[label].append(_timing.graph_time_us([lambda x=x: call(x) for x in xs]))
         same = all(t == tokens["tagged"] for t in tokens.values())
         res["mixes"][name] = {label: {"median_us": statistics.median(v), "all_us": v} for label, v in times.items()}

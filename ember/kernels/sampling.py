@@ -1175,7 +1175,7 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
                      t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap,
                      OFFSET_TENSOR: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
                      CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
-                     SMALL_SORT: tl.constexpr, LD_POLL: tl.constexpr):
+                     SMALL_SORT: tl.constexpr, LD_POLL: tl.constexpr, OFF_BY_FINISHER: tl.constexpr = False):
     """Program c's part of row ``row`` (chunk ``z``) when the host knows every row takes top-k (scalar
     t > 0, scalar 0 < k < V; grid case): ``_topk_sample``'s algorithm with no release drain and no
     reservation round trip. The piece maxima are tagged int64 words (``_tagged``; the tag is the grid
@@ -1184,7 +1184,10 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
     A sender reserves its slots and arrives in one relaxed atomic on the row's counter (+ 1 << 32 +
     its count) and then stores its candidates as tagged pairs; the last sender knows the list's
     length from that atomic and re-reads the pairs until all carry the tag. Slots ``slots[row]``:
-    [GRID_MAXIMA_WORDS] maxima, then [CAP] pairs (``_tagged_slots(ws, rows, "grid")``: tags only grow there)."""
+    [GRID_MAXIMA_WORDS] maxima, then [CAP] pairs (``_tagged_slots(ws, rows, "grid")``: tags only grow there).
+    OFF_BY_FINISHER (one row): only the row's finisher uses the RNG offset (the senders store values,
+    not keys), so it reads it with a plain load like every program and advances it itself after its
+    race: one program reads and writes, no acquire and no cross-program order needed."""
     rs = slots + row * GRID_SLOT_WORDS
     if SUB == 1:
         m = tl.max(z, axis=0)
@@ -1197,7 +1200,7 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
     add = _arrival(first_prog, n_programs)
     v = tl.atomic_add(bar_ptr, add, sem="relaxed", scope="gpu")  # when to look: a hint
     gave_up = _barrier_wait(bar_ptr, v, add, spin_cap, LD_POLL)
-    if OFFSET_TENSOR:
+    if OFFSET_TENSOR and not OFF_BY_FINISHER:
         if first_prog:  # every program read it (acquire) before arriving
             tl.store(offset_ptr, off + 1)
     wm, _, stale = _await_tagged(rs, P * SUB, tag, spin_cap, False, QB)
@@ -1243,6 +1246,8 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
             tok = _token(won)
         tl.store(cnt_ptr + row, 0)
         tl.store(out_ptr + row, tok.to(tl.int64))
+        if OFFSET_TENSOR and OFF_BY_FINISHER:
+            tl.store(offset_ptr, off + 1)
 
 
 @triton.jit
@@ -1376,7 +1381,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
                               RESERVE_SEM: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
                               WAVES: tl.constexpr = False, LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False, FREE: tl.constexpr = False,
-                              TAGGED: tl.constexpr = False, slots=None):
+                              TAGGED: tl.constexpr = False, slots=None, OFF_BY_FINISHER: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
     meets the others at the grid barrier, and goes on from the chunk it still holds in registers.
@@ -1420,7 +1425,9 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
         # issued after the chunk's load: the acquire orders this program's arrival after the read
         # of the offset (which program (0, 0) advances once all have arrived) without delaying x
         if OFFSET_TENSOR:
-            if LD_POLL:
+            if OFF_BY_FINISHER:  # the finisher reads and advances it (_topk_tagged_row)
+                off = tl.load(offset_ptr)
+            elif LD_POLL:
                 off = _ld_acquire(offset_ptr)
             else:
                 off = tl.load(offset_ptr)
@@ -1429,7 +1436,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
         tag = (tl.load(bar_ptr, cache_modifier=".cg") // BARRIER_GEN + 1) & 0x7FFFFFFF  # not complete yet
         _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_programs, out_ptr, offset_ptr,
                          t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap, OFFSET_TENSOR, CHUNK, SUB, QB,
-                         CAP, KC, FALLBACK_BLOCK, SMALL_SORT, LD_POLL)
+                         CAP, KC, FALLBACK_BLOCK, SMALL_SORT, LD_POLL, OFF_BY_FINISHER)
     else:
         _sample_rows(g, c, x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,
                      t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar, seed_ptr, seed_scalar,
@@ -1986,6 +1993,7 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         KC=TOPP_CANDIDATE_CHUNKS, FALLBACK_BLOCK=FALLBACK_BLOCK,
         SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, NB=NUCLEUS_PIVOTS, ROUNDS=NUCLEUS_ROUNDS,
         LD_POLL=dev.type == "cuda", FREE=free, TAGGED=tagged, slots=grid_slots,
+        OFF_BY_FINISHER=tagged and B == 1 and os.environ.get("EMBER_SAMPLE_OFFSET_BY_FINISHER", "0") == "1",
         num_warps=_sample_warps(base, sub, topk_on), **pdl_options(dev))
 
 

@@ -544,6 +544,26 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
     _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
 
 
+@pytest.mark.parametrize("top_k", [10, 50])   # 50 > the 20 pieces: no bound, the finisher's exact fallback
+def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, monkeypatch, top_k):
+    """EMBER_SAMPLE_OFFSET_BY_FINISHER=1 (one row, tagged top-k): the row's finisher reads the offset
+    tensor and advances it; the token is the two launches' for the same offset, which both advance
+    once. (With the acquire scheme program (0, 0) advances it after the barrier; here, where the
+    programs run in turn, the later ones then read the advanced value.)"""
+    k = _k()
+    monkeypatch.setenv("EMBER_SAMPLE_OFFSET_BY_FINISHER", "1")
+    x = torch.randn(1, 20000) * 3
+    for start in (0, 41):
+        offs = [torch.full((1,), start, dtype=torch.int64) for _ in range(2)]
+        two = poisoned((1,), torch.int64, "cpu")
+        k.sample(x, two, 0.7, top_k, 0.9, 0.0, 5, offs[0])
+        one = poisoned((1,), torch.int64, "cpu")
+        k.sample_one_launch(x, one, 0.7, top_k, 0.9, 0.0, 5, offs[1], spin_cap=2)
+        assert torch.equal(one, two), (start, one, two)
+        assert [int(o) for o in offs] == [start + 1] * 2
+    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+
+
 @pytest.mark.parametrize("mix", [dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.0), SAMPLE_MIXES[1],
                                  SAMPLE_MIXES[2], SAMPLE_MIXES[3]])
 def test_sample_one_launch_bigger_chunks_equal_two_launches_interpreter(interpreter, mix):

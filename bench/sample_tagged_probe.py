@@ -6,7 +6,8 @@ candidates as tagged int64 words behind relaxed atomics; ``EMBER_SAMPLE_TAGGED=0
 an acq_rel arrival after them). This times both, alternating REPEATS times, and checks that they
 draw the same tokens for the same seed and offset. With an offset tensor (what ``ember.ops.sample``
 passes) every program of the tagged path reads it with ``ld.acquire`` and program (0, 0) advances it;
-``EMBER_SAMPLE_OFFSET_BY_FINISHER=1`` (one row) lets the row's finisher read and advance it instead.
+``EMBER_SAMPLE_OFFSET_BY_FINISHER=1`` (one row) lets the row's finisher read and advance it instead;
+``EMBER_SAMPLE_PACKED_RACE=1`` has the finisher pick the winner with one packed max.
 bench/results/h200/sample_tagged_probe.json was measured with the int offset variants only (and
 since-removed ones: raw/README.md); the offset-tensor variants are for the next run.
 
@@ -33,6 +34,8 @@ MIXES = {"1x_t0.7_k50_p0.9": (1, 0.7, 50, 0.9, 0.0), "1x_t1.0_k1": (1, 1.0, 1, 1
 VARIANTS = {"tagged": ({}, "int"), "acq_rel": ({"EMBER_SAMPLE_TAGGED": "0"}, "int"),
             "tagged_offset_tensor": ({}, "tensor"),
             "tagged_offset_by_finisher": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "1"}, "tensor"),
+            "tagged_offset_by_finisher_packed_race": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "1",
+                                                       "EMBER_SAMPLE_PACKED_RACE": "1"}, "tensor"),
             "acq_rel_offset_tensor": ({"EMBER_SAMPLE_TAGGED": "0"}, "tensor")}
 
 

@@ -48,6 +48,55 @@ def arrival_counters(purpose: str, device: torch.device, n: int) -> torch.Tensor
     return buf
 
 
+# Tagged words: a float32 value and a 31-bit tag (a counter generation) in one int64. A 64-bit
+# aligned store or load is single-copy atomic, so a reader that sees the tag it looks for sees the
+# value stored with it: writers store relaxed and arrive relaxed, a reader re-reads the words whose
+# tag is older (no release drain: the sampler's and the many-row softmax's kernel docstrings measure it).
+@triton.jit
+def tagged(v, tag):
+    """float32 ``v`` and a 31-bit ``tag`` in one int64 word (tag in the high half). Aligned 64-bit
+    stores and loads are single-copy atomic: a reader that sees the tag sees the value stored with it."""
+    return (tag << 32) | (v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def untagged(w):
+    return (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tagged_load(ptrs, ok, FIRST: tl.constexpr):
+    """int64 words from L2 (FIRST: .cg; later polls volatile, so the compiler cannot hoist them)."""
+    if FIRST:
+        return tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg")
+    return tl.load(ptrs, mask=ok, other=0, volatile=True)
+
+
+@triton.jit
+def await_tagged(ptr, n, tag, spin_cap, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
+    """The n tagged int64 words at ``ptr`` (PAIRS: n pairs of words, the second of each pair returned
+    apart) as [BLOCK] blocks (0 past n), re-read while some word does not carry ``tag`` yet, at most
+    ``spin_cap`` reads. Returns (first words, second words (= first without PAIRS), gave up)."""
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    if PAIRS:
+        i = 2 * i
+    a = tagged_load(ptr + i, ok, True)
+    b = a
+    if PAIRS:
+        b = tagged_load(ptr + i + 1, ok, True)
+    stale = tl.sum((ok & (((a >> 32) != tag) | ((b >> 32) != tag))).to(tl.int32), axis=0)
+    polls = 1
+    while (stale > 0) & (polls < spin_cap):
+        a = tagged_load(ptr + i, ok, False)
+        b = a
+        if PAIRS:
+            b = tagged_load(ptr + i + 1, ok, False)
+        stale = tl.sum((ok & (((a >> 32) != tag) | ((b >> 32) != tag))).to(tl.int32), axis=0)
+        polls += 1
+    return a, b, stale > 0
+
+
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
     """Cast float32 ``x`` to ``dtype`` with round-to-nearest-even, identically on GPU and interpreter.

@@ -31,11 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, env_ints, pdl_options, pdl_start, residual_inv_rms, residual_sum, round_to
+from ember.kernels._common import (arrival_counters, await_tagged, env_ints, pdl_options, pdl_start,
+                                   residual_inv_rms, residual_sum, round_to, tagged, untagged)
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
 SCALE_BLOCK = 128
+ROUTER_GEN = tl.constexpr(1 << 20)   # the tagged router's generation step (> any n_prog)
 
 # Launch configurations. GPU values: the best of a sweep on the H200 at Qwen3-30B-A3B shapes (T=1:
 # 7 gate_up x 7 down GEMV configs, bf16 + fp8 time summed; T=16 / T=512: 5 configs each, all within
@@ -124,6 +126,15 @@ def _topk_of_row(logits_ptr, row, stride_row, E, TOP_K: tl.constexpr, RENORM: tl
     in_range = offs < E
     logits = tl.load(logits_ptr + row * stride_row + offs, mask=in_range, other=-float("inf"),
                      volatile=VOLATILE).to(tl.float32)
+    return _topk_of_logits(logits, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, PACKED)
+
+
+@triton.jit
+def _topk_of_logits(logits, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_KK: tl.constexpr, PACKED: tl.constexpr):
+    """``_topk_of_row`` of a row already in registers ([BLOCK_E], -inf past E)."""
+    offs = tl.arange(0, BLOCK_E)
+    in_range = offs < E
     ex = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(in_range, ex / tl.sum(ex, axis=0), -1.0)  # padding lanes are never picked
     if PACKED:
@@ -187,7 +198,8 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, ADD_NORM: tl.constexpr = False,
-                         PACKED: tl.constexpr = True, PDL: tl.constexpr = False):
+                         PACKED: tl.constexpr = True, PDL: tl.constexpr = False, TAGGED: tl.constexpr = False,
+                         slot_ptr=None):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
@@ -198,6 +210,12 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     ``add_rmsnorm``, saving its launch): every program computes the normalised row itself (the same
     code and layout everywhere, so the same values), multiplies its router rows with it, and program
     0 stores it and the new residual for the expert GEMVs and the next layer.
+    TAGGED (softmax routing without a shared gate; ``EMBER_ROUTER_TAGGED=1``, not yet timed): the
+    logits are tagged words (``tagged``) in ``slot_ptr [T, E]`` stored relaxed, the counter is an int64
+    generation counter (program 0 adds ROUTER_GEN - (n_prog - 1), the others 1, so it is a multiple
+    of ROUTER_GEN between launches and the tag, its generation + 1, is read before arriving), the
+    arrival is relaxed, and the last program re-reads the logits whose tag is older: no release
+    drain before the arrival (what it saved in the one-row sampler: bench/sample_tagged_probe.py).
     """
     t = tl.program_id(0)
     j = tl.program_id(1)
@@ -209,6 +227,8 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     ks = tl.arange(0, BLOCK_H)
     w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < H)[None, :], other=0.0)
     pdl_start(PDL)
+    if TAGGED:  # this launch's generation: the token's counter cannot be complete before this arrival
+        tag = (tl.load(cnt_ptr + t, cache_modifier=".cg") // ROUTER_GEN + 1) & 0x7FFFFFFF
     inv_rms = 0.0
     if ADD_NORM:  # program 0 of the token writes the new residual
         inv_rms = residual_inv_rms(x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps, j == 0,
@@ -222,8 +242,22 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
         xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM)
         acc += w.to(tl.float32) * xv[None, :]
     logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
-    if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
+    if TAGGED:
+        tl.store(slot_ptr + t * E + rows, tagged(logit, tag), mask=row_mask)
+        add = tl.where(j == 0, ROUTER_GEN - (n_prog - 1), 1).to(tl.int64)
+        last = (tl.atomic_add(cnt_ptr + t, add, sem="relaxed", scope="gpu") + add) % ROUTER_GEN == 0
+    else:
+        tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
+        last = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1
+    if TAGGED:
+        if last:  # every program has arrived: their logits come, whatever the wait (no cap needed)
+            words, _, _ = await_tagged(slot_ptr + t * E, E, tag, 0x7FFFFFFF, False, BLOCK_E)
+            ws, ids = _topk_of_logits(tl.where(tl.arange(0, BLOCK_E) < E, untagged(words), -float("inf")), E, TOP_K,
+                                      RENORM, BLOCK_E, BLOCK_KK, PACKED)
+            kk = tl.arange(0, BLOCK_KK)
+            tl.store(tw_ptr + t * TOP_K + kk, ws, mask=kk < TOP_K)
+            tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kk < TOP_K)
+    elif last:
         if SIGMOID:
             ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
                                            BLOCK_E, BLOCK_KK)
@@ -849,14 +883,39 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     n_prog = triton.cdiv(E, block_r)
     bias = expert_bias.float().contiguous() if expert_bias is not None else logits
     res, lnw, eps, normed, new_res = add_norm if add_norm is not None else (x, x, 0.0, x, x)
+    tagged = os.environ.get("EMBER_ROUTER_TAGGED", "0") == "1" and scoring == "softmax" and not shared_expert_gate
+    counters, slots = _router_tagged_state(x.device, E) if tagged else (arrival_counters("moe_router", x.device, T),
+                                                                          None)
     _router_route_kernel[(T, n_prog)](
-        x, router.contiguous(), logits, arrival_counters("moe_router", x.device, T), w, ids, bias, float(scaling),
+        x, router.contiguous(), logits, counters, w, ids, bias, float(scaling),
         E, H, x.stride(0), n_prog, res, lnw, normed, new_res, float(eps),
         TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
-        PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", num_warps=warps, **pdl_options(x.device))
+        PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", TAGGED=tagged, slot_ptr=slots,
+        num_warps=warps, **pdl_options(x.device))
     return w, ids
+
+
+# The tagged router's state per (device, stream): one zeroed int64 buffer, ROUTER_MAX_TOKENS generation
+# counters then [ROUTER_MAX_TOKENS, E_cap] logit slots. Counters and slots are made (and, first made
+# during capture, zeroed on every replay) together: a stale word's tag is then always older than the
+# generation a launch looks for. Outgrown buffers are kept (captured graphs may point at them).
+_ROUTER_STATE: dict = {}
+_ROUTER_RETIRED: list = []
+
+
+def _router_tagged_state(device: torch.device, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(generation counters [ROUTER_MAX_TOKENS], tagged logit slots [ROUTER_MAX_TOKENS * E_cap]) for E experts."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _ROUTER_STATE.get(key)
+    if buf is None or (buf.numel() - ROUTER_MAX_TOKENS) // ROUTER_MAX_TOKENS < E:
+        if buf is not None:
+            _ROUTER_RETIRED.append(buf)
+        cap = max(128, triton.next_power_of_2(E))
+        buf = _ROUTER_STATE[key] = torch.zeros(ROUTER_MAX_TOKENS * (1 + cap), dtype=torch.int64, device=device)
+    return buf[:ROUTER_MAX_TOKENS], buf[ROUTER_MAX_TOKENS:]
 
 
 def _align(topk_ids: torch.Tensor, E: int, block_m: int):

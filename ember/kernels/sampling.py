@@ -87,7 +87,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import bulk_prefetch_l2, hopper_or_newer, pdl_options, pdl_start
+from ember.kernels._common import (await_tagged, bulk_prefetch_l2, hopper_or_newer, pdl_options, pdl_start,
+                                   tagged, untagged)
 
 ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
@@ -389,18 +390,6 @@ def _chunk_to_l2(x_ptr, sink_ptr, row, B, V, stride_x, c, CHUNK: tl.constexpr, L
 
 
 @triton.jit
-def _tagged(v, tag):
-    """float32 ``v`` and a 31-bit ``tag`` in one int64 word (tag in the high half). Aligned 64-bit
-    stores and loads are single-copy atomic: a reader that sees the tag sees the value stored with it."""
-    return (tag << 32) | (v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-
-
-@triton.jit
-def _untagged(w):
-    return (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _tagged_row_poll(row_slots, P, tag, PB: tl.constexpr, FIRST: tl.constexpr):
     """One read of a row's P tagged (max, sum of exp) pairs: (row max, sum of exp(z - max)); the sum
     is +inf while some pair does not carry ``tag`` yet (a real one is at most the row length), so
@@ -416,9 +405,9 @@ def _tagged_row_poll(row_slots, P, tag, PB: tl.constexpr, FIRST: tl.constexpr):
         wm = tl.load(base, mask=km, other=0, volatile=True)
         ws = tl.load(base + 1, mask=km, other=0, volatile=True)
     fresh = ((wm >> 32) == tag) & ((ws >> 32) == tag)
-    m = tl.where(km & fresh, _untagged(wm), -float("inf"))
+    m = tl.where(km & fresh, untagged(wm), -float("inf"))
     M = tl.max(m, axis=0)
-    part = tl.where(m > -float("inf"), _untagged(ws) * tl.exp(m - M), 0.0)
+    part = tl.where(m > -float("inf"), untagged(ws) * tl.exp(m - M), 0.0)
     return M, tl.sum(tl.where(fresh | (k >= P), part, float("inf")), axis=0)
 
 
@@ -527,8 +516,8 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
         add = _arrival(c == 0, P)
         if HINTED:  # tagged partials, relaxed: nothing waits for this program's earlier stores to drain
             tag = (gen + 1) & 0x7FFFFFFF
-            tl.store(slot_ptr + row * ROW_SLOT_WORDS + 2 * c, _tagged(m, tag))
-            tl.store(slot_ptr + row * ROW_SLOT_WORDS + 2 * c + 1, _tagged(s, tag))
+            tl.store(slot_ptr + row * ROW_SLOT_WORDS + 2 * c, tagged(m, tag))
+            tl.store(slot_ptr + row * ROW_SLOT_WORDS + 2 * c + 1, tagged(s, tag))
             v = tl.atomic_add(row_bar_ptr + row, add, sem="relaxed", scope="gpu")  # when to look: a hint
         else:
             tl.store(m_ptr + row * P + c, m)
@@ -850,14 +839,22 @@ def _race_block(cand_z_ptr, cand_i_ptr, n, row, k, p, minp, M, Z, mass_above, se
 
 
 @triton.jit
-def _race_values(cz, ci, row, k, p, minp, M, Z, mass_above, seed, off, BLOCK: tl.constexpr):
-    """(packed winner, candidate mass) of the candidates ``cz`` (-inf padded) at columns ``ci``."""
+def _race_values(cz, ci, row, k, p, minp, M, Z, mass_above, seed, off, BLOCK: tl.constexpr,
+                 PACKED_MAX: tl.constexpr = False):
+    """(packed winner, candidate mass) of the candidates ``cz`` (-inf padded) at columns ``ci``.
+    PACKED_MAX: the winner as one max over packed (key, column) words (the largest key, then the
+    smallest column, as the chunk races' slots) instead of an argmax, a max and a gather-by-sum;
+    INT64_MIN when no candidate survives (never, with a candidate at the row max and min_p < 1)."""
     i = tl.arange(0, BLOCK)
     tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, mass_above, BLOCK)
     keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
     key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
-    w = tl.argmax(key, axis=0)
-    return _pack(tl.max(key, axis=0), tl.sum(tl.where(i == w, ci, 0), axis=0)), cand_mass
+    if PACKED_MAX:
+        won = tl.max(tl.where(keep, _pack(key, ci), INT64_MIN), axis=0)
+    else:
+        w = tl.argmax(key, axis=0)
+        won = _pack(tl.max(key, axis=0), tl.sum(tl.where(i == w, ci, 0), axis=0))
+    return won, cand_mass
 
 
 @triton.jit
@@ -1128,45 +1125,15 @@ def _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, ou
 
 
 @triton.jit
-def _tagged_load(ptrs, ok, FIRST: tl.constexpr):
-    """int64 words from L2 (FIRST: .cg; later polls volatile, so the compiler cannot hoist them)."""
-    if FIRST:
-        return tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg")
-    return tl.load(ptrs, mask=ok, other=0, volatile=True)
-
-
-@triton.jit
-def _await_tagged(ptr, n, tag, spin_cap, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
-    """The n tagged int64 words at ``ptr`` (PAIRS: n pairs of words, the second of each pair returned
-    apart) as [BLOCK] blocks (0 past n), re-read while some word does not carry ``tag`` yet, at most
-    ``spin_cap`` reads. Returns (first words, second words (= first without PAIRS), gave up)."""
-    i = tl.arange(0, BLOCK)
-    ok = i < n
-    if PAIRS:
-        i = 2 * i
-    a = _tagged_load(ptr + i, ok, True)
-    b = a
-    if PAIRS:
-        b = _tagged_load(ptr + i + 1, ok, True)
-    stale = tl.sum((ok & (((a >> 32) != tag) | ((b >> 32) != tag))).to(tl.int32), axis=0)
-    polls = 1
-    while (stale > 0) & (polls < spin_cap):
-        a = _tagged_load(ptr + i, ok, False)
-        b = a
-        if PAIRS:
-            b = _tagged_load(ptr + i + 1, ok, False)
-        stale = tl.sum((ok & (((a >> 32) != tag) | ((b >> 32) != tag))).to(tl.int32), axis=0)
-        polls += 1
-    return a, b, stale > 0
-
-
-@triton.jit
-def _race_tagged(cand_ptr, n, tag, row, k, p, minp, M, seed, off, spin_cap, BLOCK: tl.constexpr):
-    """(packed winner, gave up) over the row's n <= BLOCK tagged candidate pairs (tag | z, tag | column)."""
-    wz, wi, stale = _await_tagged(cand_ptr, n, tag, spin_cap, True, BLOCK)
-    cz = tl.where(tl.arange(0, BLOCK) < n, _untagged(wz), -float("inf"))
+def _race_tagged(cand_ptr, n, tag, row, k, p, minp, M, seed, off, spin_cap, BLOCK: tl.constexpr,
+                 PACKED_MAX: tl.constexpr):
+    """(packed winner, gave up) over the row's n <= BLOCK tagged candidate pairs (tag | z, tag | column);
+    the winner is INT64_MIN if none survived (PACKED_MAX, ``_race_values``)."""
+    wz, wi, stale = await_tagged(cand_ptr, n, tag, spin_cap, True, BLOCK)
+    cz = tl.where(tl.arange(0, BLOCK) < n, untagged(wz), -float("inf"))
     # Z: unused for k > 0 (the mass is the candidates'); 1.0 keeps the expressions finite
-    won, _ = _race_values(cz, (wi & 0xFFFFFFFF).to(tl.int32), row, k, p, minp, M, 1.0, 0.0, seed, off, BLOCK)
+    won, _ = _race_values(cz, (wi & 0xFFFFFFFF).to(tl.int32), row, k, p, minp, M, 1.0, 0.0, seed, off, BLOCK,
+                          PACKED_MAX)
     return won, stale
 
 
@@ -1175,10 +1142,11 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
                      t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap,
                      OFFSET_TENSOR: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
                      CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
-                     SMALL_SORT: tl.constexpr, LD_POLL: tl.constexpr, OFF_BY_FINISHER: tl.constexpr = False):
+                     SMALL_SORT: tl.constexpr, LD_POLL: tl.constexpr, OFF_BY_FINISHER: tl.constexpr = False,
+                     PACKED_RACE: tl.constexpr = False):
     """Program c's part of row ``row`` (chunk ``z``) when the host knows every row takes top-k (scalar
     t > 0, scalar 0 < k < V; grid case): ``_topk_sample``'s algorithm with no release drain and no
-    reservation round trip. The piece maxima are tagged int64 words (``_tagged``; the tag is the grid
+    reservation round trip. The piece maxima are tagged int64 words (``tagged``; the tag is the grid
     counter's generation + 1, read before this program arrives), stored relaxed; the arrival is
     relaxed, the counter only says when to read, and a reader re-reads any word with an older tag.
     A sender reserves its slots and arrives in one relaxed atomic on the row's counter (+ 1 << 32 +
@@ -1187,14 +1155,15 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
     [GRID_MAXIMA_WORDS] maxima, then [CAP] pairs (``_tagged_slots(ws, rows, "grid")``: tags only grow there).
     OFF_BY_FINISHER (one row): only the row's finisher uses the RNG offset (the senders store values,
     not keys), so it reads it with a plain load like every program and advances it itself after its
-    race: one program reads and writes, no acquire and no cross-program order needed."""
+    race: one program reads and writes, no acquire and no cross-program order needed. PACKED_RACE:
+    the finisher's winner by one packed max (``_race_values`` PACKED_MAX)."""
     rs = slots + row * GRID_SLOT_WORDS
     if SUB == 1:
         m = tl.max(z, axis=0)
-        tl.store(rs + c, _tagged(m, tag))
+        tl.store(rs + c, tagged(m, tag))
     else:  # the maxima of the chunk's SUB pieces: the candidate bound's granularity
         pm = tl.max(tl.reshape(z, [SUB, CHUNK // SUB]), axis=1)
-        tl.store(rs + c * SUB + tl.arange(0, SUB), _tagged(pm, tag))
+        tl.store(rs + c * SUB + tl.arange(0, SUB), tagged(pm, tag))
         m = tl.max(pm, axis=0)
     first_prog = (row == 0) & (c == 0)
     add = _arrival(first_prog, n_programs)
@@ -1203,9 +1172,9 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
     if OFFSET_TENSOR and not OFF_BY_FINISHER:
         if first_prog:  # every program read it (acquire) before arriving
             tl.store(offset_ptr, off + 1)
-    wm, _, stale = _await_tagged(rs, P * SUB, tag, spin_cap, False, QB)
+    wm, _, stale = await_tagged(rs, P * SUB, tag, spin_cap, False, QB)
     iq = tl.arange(0, QB)
-    piece_max = tl.where(iq < P * SUB, _untagged(wm), -float("inf"))
+    piece_max = tl.where(iq < P * SUB, untagged(wm), -float("inf"))
     if gave_up | stale:  # the maxima from the row itself (exact, slow, counted)
         piece_max = _piece_maxima_exact(x_ptr + row * stride_x, V, t, P * SUB, CHUNK // SUB, QB)
         tl.atomic_add(bar_ptr + 1, 1)
@@ -1223,7 +1192,7 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
         base = (old & 0xFFFFFFFF).to(tl.int32)
         slot = base + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1
         ok = is_cand & (slot < CAP)
-        tl.store(cand + 2 * slot, _tagged(z, tag), mask=ok)
+        tl.store(cand + 2 * slot, tagged(z, tag), mask=ok)
         tl.store(cand + 2 * slot + 1, (tag << 32) | cols.to(tl.int64), mask=ok)
         finish = (old >> 32) == senders - 1
         n = base + mine
@@ -1232,14 +1201,16 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
         won = tl.full([], 0, tl.int64)
         if exact == 0:
             if n <= SMALL_SORT // 2:   # H200 [1, 128256] k 50: 6.79 -> 6.66 us (n ~ 55-82 there)
-                won, late = _race_tagged(cand, n, tag, row, k, p, minp, M, seed, off, spin_cap, SMALL_SORT // 2)
+                won, late = _race_tagged(cand, n, tag, row, k, p, minp, M, seed, off, spin_cap, SMALL_SORT // 2,
+                                         PACKED_RACE)
             elif n <= SMALL_SORT:
-                won, late = _race_tagged(cand, n, tag, row, k, p, minp, M, seed, off, spin_cap, SMALL_SORT)
+                won, late = _race_tagged(cand, n, tag, row, k, p, minp, M, seed, off, spin_cap, SMALL_SORT,
+                                         PACKED_RACE)
             else:
-                won, late = _race_tagged(cand, n, tag, row, k, p, minp, M, seed, off, spin_cap, CAP)
+                won, late = _race_tagged(cand, n, tag, row, k, p, minp, M, seed, off, spin_cap, CAP, PACKED_RACE)
             if late:  # pairs that never came (counted): exact
                 tl.atomic_add(bar_ptr + 1, 1)
-            exact = late
+            exact = late | (won == INT64_MIN)   # (no survivor: cannot happen, but never a made-up token)
         if exact:
             tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off, FALLBACK_BLOCK)
         else:
@@ -1381,7 +1352,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
                               RESERVE_SEM: tl.constexpr, NB: tl.constexpr, ROUNDS: tl.constexpr,
                               WAVES: tl.constexpr = False, LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False, FREE: tl.constexpr = False,
-                              TAGGED: tl.constexpr = False, slots=None, OFF_BY_FINISHER: tl.constexpr = False):
+                              TAGGED: tl.constexpr = False, slots=None, OFF_BY_FINISHER: tl.constexpr = False,
+                              PACKED_RACE: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
     meets the others at the grid barrier, and goes on from the chunk it still holds in registers.
@@ -1436,7 +1408,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
         tag = (tl.load(bar_ptr, cache_modifier=".cg") // BARRIER_GEN + 1) & 0x7FFFFFFF  # not complete yet
         _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_programs, out_ptr, offset_ptr,
                          t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap, OFFSET_TENSOR, CHUNK, SUB, QB,
-                         CAP, KC, FALLBACK_BLOCK, SMALL_SORT, LD_POLL, OFF_BY_FINISHER)
+                         CAP, KC, FALLBACK_BLOCK, SMALL_SORT, LD_POLL, OFF_BY_FINISHER, PACKED_RACE)
     else:
         _sample_rows(g, c, x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,
                      t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar, seed_ptr, seed_scalar,
@@ -1994,6 +1966,7 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, NB=NUCLEUS_PIVOTS, ROUNDS=NUCLEUS_ROUNDS,
         LD_POLL=dev.type == "cuda", FREE=free, TAGGED=tagged, slots=grid_slots,
         OFF_BY_FINISHER=tagged and B == 1 and os.environ.get("EMBER_SAMPLE_OFFSET_BY_FINISHER", "0") == "1",
+        PACKED_RACE=tagged and os.environ.get("EMBER_SAMPLE_PACKED_RACE", "0") == "1",
         num_warps=_sample_warps(base, sub, topk_on), **pdl_options(dev))
 
 

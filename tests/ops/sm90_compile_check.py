@@ -74,7 +74,20 @@ def _moe_fp8_decode():
                           gate_up_scale=gs, down_scale=ds)
 
 
-CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode}
+def _moe_router_tagged():
+    """The router with tagged logits (EMBER_ROUTER_TAGGED=1) at Qwen3-30B-A3B's 128 experts."""
+    os.environ["EMBER_FORCE_TRITON"] = "1"
+    os.environ["EMBER_ROUTER_TAGGED"] = "1"
+    from ember.kernels import moe as km
+    E, H, K = 128, 2048, 8
+    bf16 = torch.bfloat16
+    x, res = torch.randn(1, H, dtype=bf16), torch.randn(1, H, dtype=bf16)
+    km.route_hidden(x, torch.randn(E, H, dtype=bf16), K, True,
+                    add_norm=(res, torch.ones(H, dtype=bf16), 1e-6, torch.empty_like(x), torch.empty_like(x)))
+
+
+CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode,
+         "moe_router_tagged": _moe_router_tagged}
 
 
 def main(names: list[str]) -> int:

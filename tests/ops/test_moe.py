@@ -709,6 +709,36 @@ def test_add_rmsnorm_route_kernel_interpreter(interpreter, dtype, T, e, h, k):
         assert_close(w, w64.float())
 
 
+@pytest.mark.parametrize("add_norm", [False, True])
+@pytest.mark.parametrize("T,e,h,k", [(1, 8, 100, 2), (3, 16, 64, 4)])
+def test_tagged_router_equals_the_acq_rel_one_interpreter(interpreter, monkeypatch, add_norm, T, e, h, k):
+    """EMBER_ROUTER_TAGGED=1: logits as tagged words behind a relaxed generation counter route exactly
+    as the stored logits behind the acq_rel counter (same weights and ids, same normalised rows), call
+    after call (every call advances each token's counter by one generation), and against float64."""
+    from ember.kernels import moe as kmod
+    dtype = torch.bfloat16
+    router = (torch.randn(e, h) / h ** 0.5).to(dtype)
+    lnw = (1 + 0.1 * torch.randn(h)).to(dtype)
+    counters, _ = kmod._router_tagged_state(torch.device("cpu"), e)
+    start = counters[:T].clone()
+    for call in range(3):
+        x, res = torch.randn(T, h).to(dtype), torch.randn(T, h).to(dtype)
+        outs = []
+        for flag in ("0", "1"):
+            monkeypatch.setenv("EMBER_ROUTER_TAGGED", flag)
+            normed, new_res = poisoned((T, h), dtype, "cpu"), poisoned((T, h), dtype, "cpu")
+            extra = dict(add_norm=(res, lnw, 1e-6, normed, new_res)) if add_norm else {}
+            w, ids = kmod.route_hidden(x, router, k, True, **extra)
+            outs.append((w, ids, normed, new_res))
+        (w0, i0, n0, r0), (w1, i1, n1, r1) = outs
+        assert torch.equal(i0, i1) and torch.equal(w0, w1)
+        if add_norm:
+            assert torch.equal(n0, n1) and torch.equal(r0, r1)
+        w64, ids64 = float64_route_hidden(n1 if add_norm else x, router, k)
+        assert torch.equal(i1.long(), ids64)
+        assert bool((counters[:T] - start == (call + 1) * (1 << 20)).all())   # a generation per call, no reset
+
+
 @pytest.mark.parametrize("scoring,shared", [("softmax", False), ("sigmoid", False), ("softmax", True)])
 def test_add_rmsnorm_route_public_op_matches_the_two_ops(interpreter, monkeypatch, scoring, shared):
     x, res, lnw = torch.randn(2, 64), torch.randn(2, 64), 1 + 0.1 * torch.randn(64)

@@ -564,6 +564,23 @@ def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, mo
     _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
 
 
+@pytest.mark.parametrize("top_k,top_p,min_p", [(10, 0.9, 0.0), (15, 1.0, 0.05)])
+def test_sample_topk_packed_race_equals_two_launches_interpreter(interpreter, monkeypatch, top_k, top_p, min_p):
+    """EMBER_SAMPLE_PACKED_RACE=1: the finisher's winner by one max over packed (key, column) words
+    draws the two launches' tokens (argmax, max and gather there), ties at the thresholds included."""
+    k = _k()
+    monkeypatch.setenv("EMBER_SAMPLE_PACKED_RACE", "1")
+    x = torch.randn(2, 20000) * 3
+    x[1, ::5] = x[1, ::5].round()                     # integer logits on every 5th column: ties
+    for off in range(3):
+        two = poisoned((2,), torch.int64, "cpu")
+        k.sample(x, two, 0.7, top_k, top_p, min_p, 5, off)
+        one = poisoned((2,), torch.int64, "cpu")
+        k.sample_one_launch(x, one, 0.7, top_k, top_p, min_p, 5, off, spin_cap=2)
+        assert torch.equal(one, two), (off, one, two)
+    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+
+
 @pytest.mark.parametrize("mix", [dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.0), SAMPLE_MIXES[1],
                                  SAMPLE_MIXES[2], SAMPLE_MIXES[3]])
 def test_sample_one_launch_bigger_chunks_equal_two_launches_interpreter(interpreter, mix):

@@ -53,6 +53,15 @@ def arrival_counters(purpose: str, device: torch.device, n: int) -> torch.Tensor
 # value stored with it: writers store relaxed and arrive relaxed, a reader re-reads the words whose
 # tag is older (no release drain: the sampler's and the many-row softmax's kernel docstrings measure it).
 @triton.jit
+def generation_tag(gen):
+    """The tag of a launch in generation ``gen`` (a counter's value // its step, read before the launch
+    arrives there): gen + 1 folded into 1 .. 2^31 - 1. Never 0, the tag of a zeroed slot no launch
+    wrote: a plain 31-bit gen + 1 would reach 0 after 2^31 - 1 launches (weeks of decoding on one
+    workspace) and then take such a slot as fresh."""
+    return gen % 0x7FFFFFFF + 1
+
+
+@triton.jit
 def tagged(v, tag):
     """float32 ``v`` and a 31-bit ``tag`` in one int64 word (tag in the high half). Aligned 64-bit
     stores and loads are single-copy atomic: a reader that sees the tag sees the value stored with it."""

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import (arrival_counters, await_tagged, env_ints, pdl_options, pdl_start,
+from ember.kernels._common import (arrival_counters, await_tagged, env_ints, generation_tag, pdl_options, pdl_start,
                                    residual_inv_rms, residual_sum, round_to, tagged, untagged)
 
 FP8 = torch.float8_e4m3fn
@@ -228,7 +228,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < H)[None, :], other=0.0)
     pdl_start(PDL)
     if TAGGED:  # this launch's generation: the token's counter cannot be complete before this arrival
-        tag = (tl.load(cnt_ptr + t, cache_modifier=".cg") // ROUTER_GEN + 1) & 0x7FFFFFFF
+        tag = generation_tag(tl.load(cnt_ptr + t, cache_modifier=".cg") // ROUTER_GEN)
     inv_rms = 0.0
     if ADD_NORM:  # program 0 of the token writes the new residual
         inv_rms = residual_inv_rms(x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps, j == 0,

@@ -87,8 +87,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import (await_tagged, bulk_prefetch_l2, hopper_or_newer, pdl_options, pdl_start,
-                                   tagged, untagged)
+from ember.kernels._common import (await_tagged, bulk_prefetch_l2, generation_tag, hopper_or_newer, pdl_options,
+                                   pdl_start, tagged, untagged)
 
 ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
@@ -446,15 +446,16 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     between the barrier and the stores of every wave; softmax_barrier_probe.json and raw/).
 
     HINTED (the default): the partials are int64 words, a 31-bit tag (the row barrier's generation
-    + 1) above the float's bits, stored relaxed in ``slot_ptr[row, 2c]`` / ``[row, 2c + 1]`` (a
+    + 1, ``generation_tag``: never 0) above the float's bits, stored relaxed in ``slot_ptr[row, 2c]`` / ``[row, 2c + 1]`` (a
     layout independent of P); a 64-bit aligned store or load is single-copy atomic, so a word that
     carries this launch's tag holds this launch's value. The row counter is then only a hint of when
     to look: arrival is a relaxed ``atomic_add``, and after the counter completes the program reads
     the row's 2P words once (re-reading any whose tag is older). The acq_rel arrival it replaces made
     every program wait, once per row, until its earlier stores were performed, the previous row's
     chunk of output among them. A word's tag only grows (each launch adds one generation to every
-    row it touches), and the slots are replaced whenever the workspace is (``_tagged_slots``), so a
-    stale word never carries the tag a launch looks for. H200 [256, 128256] fp32, same runs
+    row it touches; after 2^31 - 1 launches it wraps to 1, skipping the zeroed slots' 0), and the
+    slots are replaced whenever the workspace is (``_tagged_slots``), so a stale word never carries
+    the tag a launch looks for (after a wrap: unless it was last written exactly 2^31 - 1 launches before). H200 [256, 128256] fp32, same runs
     (bench/results/h200/softmax_barrier_probe.json at the default shape, raw/ at 8192,8,2,2):
         16384,16,1,2   acq_rel counter 91.5-92.0 us   hinted 79.0-79.6 us (79.4-80.0% of copy)
         8192,8,2,2     acq_rel counter 83.6-84.4 us   hinted 80.5-81.4 us
@@ -515,7 +516,7 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
             s = tl.sum(z, axis=0)
         add = _arrival(c == 0, P)
         if HINTED:  # tagged partials, relaxed: nothing waits for this program's earlier stores to drain
-            tag = (gen + 1) & 0x7FFFFFFF
+            tag = generation_tag(gen)
             tl.store(slot_ptr + row * ROW_SLOT_WORDS + 2 * c, tagged(m, tag))
             tl.store(slot_ptr + row * ROW_SLOT_WORDS + 2 * c + 1, tagged(s, tag))
             v = tl.atomic_add(row_bar_ptr + row, add, sem="relaxed", scope="gpu")  # when to look: a hint
@@ -1405,7 +1406,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
                 off = tl.load(offset_ptr)
         else:
             off = tl.cast(offset_scalar, tl.int64)
-        tag = (tl.load(bar_ptr, cache_modifier=".cg") // BARRIER_GEN + 1) & 0x7FFFFFFF  # not complete yet
+        tag = generation_tag(tl.load(bar_ptr, cache_modifier=".cg") // BARRIER_GEN)  # not complete yet
         _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_programs, out_ptr, offset_ptr,
                          t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap, OFFSET_TENSOR, CHUNK, SUB, QB,
                          CAP, KC, FALLBACK_BLOCK, SMALL_SORT, LD_POLL, OFF_BY_FINISHER, PACKED_RACE)

@@ -175,6 +175,42 @@ def test_softmax_waves_tags_from_earlier_launches_never_accepted_interpreter(int
         assert torch.equal(slots >> 32, (gen // GEN + 1)[:, None].expand(B, 2 * P))   # this launch's tags
 
 
+def test_tags_skip_zero_when_the_generation_wraps_interpreter(interpreter, monkeypatch):
+    """At generation 2^31 - 1 a plain 31-bit gen + 1 tag is 0, the tag of every zeroed slot no launch
+    wrote: on the GPU, where nobody gives up at the counter, such words would pass for this launch's.
+    ``generation_tag`` wraps to 1 instead. With new (zeroed) slots and the counters preset there, the
+    tagged top-k sampler (grid counter) and the many-row softmax (row counters) stay exact and write
+    tag 1. (Here programs run in turn and give up at the counter first, which recomputes the row
+    whatever the words say: so the tags themselves are checked.)"""
+    k = _k()
+    monkeypatch.setattr(k, "_WORKSPACES", {})
+    monkeypatch.setattr(k, "_SLOTS", {})
+    wrap = (2 ** 31 - 1) * GEN
+    x = torch.randn(2, 20000) * 3                       # 20 programs a row
+    two = poisoned((2,), torch.int64, "cpu")
+    k.sample(x, two, 0.7, 10, 0.9, 0.0, 5, 3)
+    barrier, _, row_bars = k._workspace(x.device, 2)
+    barrier[0] = wrap
+    give_ups = int(barrier[1])
+    one = poisoned((2,), torch.int64, "cpu")
+    k.sample_one_launch(x, one, 0.7, 10, 0.9, 0.0, 5, 3, spin_cap=2)
+    assert torch.equal(one, two)
+    assert int(barrier[1]) - give_ups == 2 * 20 - 1
+    assert int(barrier[0]) == wrap + GEN
+    assert bool((k._SLOTS[("grid", "cpu", None)][1][:2, :20] >> 32 == 1).all())    # the maxima: wrapped to 1
+    B, V, chunk = 4, 5000, 1024
+    P = -(-V // chunk)
+    xs = torch.randn(B, V) * 3
+    barrier, _, row_bars = k._workspace(xs.device, B)
+    row_bars[0][:B] = wrap
+    give_ups = int(barrier[1])
+    out = poisoned((B, V), torch.float32, "cpu")
+    k.softmax_waves(xs, out, 1.0, False, k.WaveConfig(chunk, 4, 1, 1), P, 2, spin_cap=2)
+    torch.testing.assert_close(out.double(), torch.softmax(xs.double(), -1), **SOFTMAX_TOL)
+    assert int(barrier[1]) - give_ups == B * (P - 1)
+    assert bool((k._SLOTS[("row", "cpu", None)][1][:B, :2 * P] >> 32 == 1).all())   # wrapped to 1, not 0
+
+
 @pytest.mark.parametrize("kind, words", [("row", 2 * 128), ("grid", 128 + 2 * 512)])
 def test_tagged_slots_follow_the_workspace(interpreter, kind, words):
     """Tags are counter generations: a new workspace (counters at 0) must come with new, zeroed

@@ -38,6 +38,8 @@ FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
 SCALE_BLOCK = 128
 ROUTER_GEN = tl.constexpr(1 << 20)   # the tagged router's generation step (> any n_prog)
+SPLIT_GEN = tl.constexpr(1 << 20)    # the tagged down combine's (> any SPLIT)
+DOWN_SLOT_WORDS = tl.constexpr(512)  # its words per counter (SPLIT * BLOCK_N at most)
 
 # Launch configurations. GPU values: the best of a sweep on the H200 at Qwen3-30B-A3B shapes (T=1:
 # 7 gate_up x 7 down GEMV configs, bf16 + fp8 time summed; T=16 / T=512: 5 configs each, all within
@@ -199,7 +201,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
                          SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, ADD_NORM: tl.constexpr = False,
                          PACKED: tl.constexpr = True, PDL: tl.constexpr = False, TAGGED: tl.constexpr = False,
-                         slot_ptr=None):
+                         slot_ptr=None, slot_stride=0):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
@@ -211,7 +213,8 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     code and layout everywhere, so the same values), multiplies its router rows with it, and program
     0 stores it and the new residual for the expert GEMVs and the next layer.
     TAGGED (softmax routing without a shared gate; ``EMBER_ROUTER_TAGGED=1``, not yet timed): the
-    logits are tagged words (``tagged``) in ``slot_ptr [T, E]`` stored relaxed, the counter is an int64
+    logits are tagged words (``tagged``) in row t of ``slot_ptr`` (row stride ``slot_stride``, fixed
+    for the buffer's life, so a word only ever carries tags of token t's counter) stored relaxed, the counter is an int64
     generation counter (program 0 adds ROUTER_GEN - (n_prog - 1), the others 1, so it is a multiple
     of ROUTER_GEN between launches and the tag, its generation + 1, is read before arriving), the
     arrival is relaxed, and the last program re-reads the logits whose tag is older: no release
@@ -243,7 +246,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
         acc += w.to(tl.float32) * xv[None, :]
     logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
     if TAGGED:
-        tl.store(slot_ptr + t * E + rows, tagged(logit, tag), mask=row_mask)
+        tl.store(slot_ptr + t * slot_stride + rows, tagged(logit, tag), mask=row_mask)
         add = tl.where(j == 0, ROUTER_GEN - (n_prog - 1), 1).to(tl.int64)
         last = (tl.atomic_add(cnt_ptr + t, add, sem="relaxed", scope="gpu") + add) % ROUTER_GEN == 0
     else:
@@ -251,7 +254,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
         last = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1
     if TAGGED:
         if last:  # every program has arrived: their logits come, whatever the wait (no cap needed)
-            words, _, _ = await_tagged(slot_ptr + t * E, E, tag, 0x7FFFFFFF, False, BLOCK_E)
+            words, _, _ = await_tagged(slot_ptr + t * slot_stride, E, tag, 0x7FFFFFFF, False, BLOCK_E)
             ws, ids = _topk_of_logits(tl.where(tl.arange(0, BLOCK_E) < E, untagged(words), -float("inf")), E, TOP_K,
                                       RENORM, BLOCK_E, BLOCK_KK, PACKED)
             kk = tl.arange(0, BLOCK_KK)
@@ -488,13 +491,38 @@ def _store_out_or_fold(out, out_ptr, t, stride_out, rows, row_mask, r, lw, scale
 
 @triton.jit
 def _store_split_or_fold(y, part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H,
-                         FOLD: tl.constexpr, SPLIT: tl.constexpr):
+                         FOLD: tl.constexpr, SPLIT: tl.constexpr, TAGGED: tl.constexpr = False, tag=0,
+                         BLOCK_N: tl.constexpr = 1):
     """The down GEMVs' end: ``y`` is this program's fp32 row sums (experts of group g of SPLIT).
     SPLIT == 1: _store_out_or_fold. Else: store y in part_ptr[t, g], arrive at counter (t, nb); the
     last of the SPLIT to arrive adds the partials in group order (the same bits whichever arrives
-    last), stores the output (or the FOLD epilogue) and resets the counter."""
+    last), stores the output (or the FOLD epilogue) and resets the counter.
+    TAGGED (``EMBER_MOE_DOWN_TAGGED=1``, not yet timed): the partials are tagged words (``tag``: the
+    counter's ``generation_tag``, read by the kernel before arriving) stored relaxed in int64
+    ``part_ptr``, in a region per counter (so a word only ever carries that counter's tags); the
+    counter is an int64 generation counter (group 0 adds SPLIT_GEN - (SPLIT - 1), the others 1;
+    never reset) with a relaxed arrival; the last reads all SPLIT groups at once, re-reads
+    while a tag is older, and adds them in group order: the same bits as the stored partials."""
     if SPLIT == 1:
         _store_out_or_fold(y, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
+    elif TAGGED:  # counter (t, nb) owns words [c * DOWN_SLOT_WORDS, + SPLIT * BLOCK_N): group g, local row
+        c = t * tl.num_programs(1) + nb
+        local = rows - nb * BLOCK_N
+        region = part_ptr + c * DOWN_SLOT_WORDS
+        tl.store(region + g * BLOCK_N + local, tagged(y, tag), mask=row_mask)
+        add = tl.where(g == 0, SPLIT_GEN - (SPLIT - 1), 1).to(tl.int64)
+        if (tl.atomic_add(cnt_ptr + c, add, sem="relaxed", scope="gpu") + add) % SPLIT_GEN == 0:
+            gg = tl.arange(0, SPLIT)[:, None]
+            both = (gg < SPLIT) & row_mask[None, :]
+            ptrs = region + gg * BLOCK_N + local[None, :]
+            words = tl.load(ptrs, mask=both, other=0, cache_modifier=".cg")
+            while tl.sum(tl.sum((both & ((words >> 32) != tag)).to(tl.int32), axis=1), axis=0) > 0:
+                words = tl.load(ptrs, mask=both, other=0, volatile=True)  # all arrived: their words come
+            vals = untagged(words)
+            total = tl.zeros_like(y)
+            for g2 in tl.static_range(SPLIT):  # group order; one nonzero term per column: exact
+                total += tl.sum(tl.where(gg == g2, vals, 0.0), axis=0)
+            _store_out_or_fold(total, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
     else:
         tl.store(part_ptr + (t * SPLIT + g) * H + rows, y, mask=row_mask)
         tl.debug_barrier()  # every thread's partial stores precede the release below
@@ -595,11 +623,11 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                          BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
                          FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True, SPLIT: tl.constexpr = 1,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, TAGGED: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
     FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait).
     SPLIT > 1: program (t, nb, g) sums experts g * TOP_K / SPLIT .. (g + 1) * TOP_K / SPLIT - 1 only
-    (_store_split_or_fold combines the groups)."""
+    (_store_split_or_fold combines the groups; TAGGED: as tagged words)."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     g = tl.program_id(2)
@@ -608,6 +636,9 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
     row_mask = rows < H
     r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD and FOLD_EARLY, True)
     pdl_start(PDL)
+    tag = 0
+    if TAGGED:  # this launch's generation: (t, nb)'s counter cannot be complete before this arrival
+        tag = generation_tag(tl.load(cnt_ptr + t * tl.num_programs(1) + nb, cache_modifier=".cg") // SPLIT_GEN)
     if not FOLD_EARLY:
         r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, False)
     mask_rows = row_mask[:, None]
@@ -643,7 +674,7 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
         else:
             acc += acc_e * factor
     _store_split_or_fold(tl.sum(acc, axis=1), part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r,
-                         lw, scaled_ptr, H, FOLD, SPLIT)
+                         lw, scaled_ptr, H, FOLD, SPLIT, TAGGED, tag, BLOCK_N)
 
 
 # ============================================================================ T >= 2: grouped kernels
@@ -893,6 +924,7 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
         PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", TAGGED=tagged, slot_ptr=slots,
+        slot_stride=slots.numel() // ROUTER_MAX_TOKENS if tagged else 0,
         num_warps=warps, **pdl_options(x.device))
     return w, ids
 
@@ -902,7 +934,7 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
 # during capture, zeroed on every replay) together: a stale word's tag is then always older than the
 # generation a launch looks for. Outgrown buffers are kept (captured graphs may point at them).
 _ROUTER_STATE: dict = {}
-_ROUTER_RETIRED: list = []
+_TAGGED_RETIRED: list = []
 
 
 def _router_tagged_state(device: torch.device, E: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -912,7 +944,7 @@ def _router_tagged_state(device: torch.device, E: int) -> tuple[torch.Tensor, to
     buf = _ROUTER_STATE.get(key)
     if buf is None or (buf.numel() - ROUTER_MAX_TOKENS) // ROUTER_MAX_TOKENS < E:
         if buf is not None:
-            _ROUTER_RETIRED.append(buf)
+            _TAGGED_RETIRED.append(buf)
         cap = max(128, triton.next_power_of_2(E))
         buf = _ROUTER_STATE[key] = torch.zeros(ROUTER_MAX_TOKENS * (1 + cap), dtype=torch.int64, device=device)
     return buf[:ROUTER_MAX_TOKENS], buf[ROUTER_MAX_TOKENS:]
@@ -1116,11 +1148,36 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
     nb = triton.cdiv(H, cfg["BLOCK_N"])
     split, part, cnt = _split_buffers(cfg, T, H, nb, top_k, w_down, h)
+    tagged = (split > 1 and os.environ.get("EMBER_MOE_DOWN_TAGGED", "0") == "1"
+              and split * cfg["BLOCK_N"] <= int(DOWN_SLOT_WORDS))
+    if tagged:
+        cnt, part = _down_tagged_state(w_down.device, T * nb)
     _down_gemv_v2_kernel[(T, nb, split)](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt,
         H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"],
-        BPS=cfg["BPS"], SPLIT=split, num_warps=cfg["num_warps"], num_stages=1, **fold_kw, **pdl_options(x.device))
+        BPS=cfg["BPS"], SPLIT=split, TAGGED=tagged, num_warps=cfg["num_warps"], num_stages=1, **fold_kw,
+        **pdl_options(x.device))
     return out
+
+
+# The tagged down combine's state per (device, stream): one zeroed int64 buffer, generation counters
+# then tagged partials, made (and, first made during capture, zeroed on every replay) together, as
+# _router_tagged_state's.
+_DOWN_STATE: dict = {}
+
+
+def _down_tagged_state(device: torch.device, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 generation counters [>= counters], their DOWN_SLOT_WORDS-word regions of tagged partials)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _DOWN_STATE.get(key)
+    if buf is None or buf.numel() // (1 + int(DOWN_SLOT_WORDS)) < counters:
+        if buf is not None:
+            _TAGGED_RETIRED.append(buf)  # a captured graph may still point at it
+        n = max(triton.next_power_of_2(counters), 256)
+        buf = _DOWN_STATE[key] = torch.zeros(n * (1 + int(DOWN_SLOT_WORDS)), dtype=torch.int64, device=device)
+    n = buf.numel() // (1 + int(DOWN_SLOT_WORDS))
+    return buf[:n], buf[n:]
 
 
 def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None, fold=None):

@@ -56,14 +56,14 @@ def _softmax_waves():
     ks.softmax_waves(x, torch.empty_like(x), 1.0, False, ks.WAVES_DEFAULT, 8, 16)
 
 
-def _moe_fp8_decode():
+def _moe_fp8_decode(E: int = 8):
     """The batch-1 decode's MoE kernels at Qwen3-30B-A3B widths (8 experts: the count is not
     compiled in): router + add_rmsnorm in one launch, the fp8 block-scaled v2 expert GEMVs."""
     os.environ["EMBER_FORCE_TRITON"] = "1"
     os.environ.setdefault("EMBER_MOE_T1", "v2")
     import ember
     from ember.kernels import moe as km
-    E, H, I, K = 8, 2048, 768, 4
+    H, I, K = 2048, 768, 4
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     x, res = torch.randn(1, H, dtype=bf16), torch.randn(1, H, dtype=bf16)
     km.route_hidden(x, torch.randn(E, H, dtype=bf16), K, True,
@@ -74,20 +74,17 @@ def _moe_fp8_decode():
                           gate_up_scale=gs, down_scale=ds)
 
 
-def _moe_router_tagged():
-    """The router with tagged logits (EMBER_ROUTER_TAGGED=1) at Qwen3-30B-A3B's 128 experts."""
-    os.environ["EMBER_FORCE_TRITON"] = "1"
+def _moe_tagged():
+    """The opt-in tagged router and tagged down combine (EMBER_ROUTER_TAGGED=1, EMBER_MOE_DOWN_TAGGED=1)
+    at Qwen3-30B-A3B's 128 experts, fp8 block scales, the expert groups split."""
     os.environ["EMBER_ROUTER_TAGGED"] = "1"
-    from ember.kernels import moe as km
-    E, H, K = 128, 2048, 8
-    bf16 = torch.bfloat16
-    x, res = torch.randn(1, H, dtype=bf16), torch.randn(1, H, dtype=bf16)
-    km.route_hidden(x, torch.randn(E, H, dtype=bf16), K, True,
-                    add_norm=(res, torch.ones(H, dtype=bf16), 1e-6, torch.empty_like(x), torch.empty_like(x)))
+    os.environ["EMBER_MOE_DOWN_TAGGED"] = "1"
+    os.environ.setdefault("EMBER_MOE_DOWN_SPLIT", "4")
+    _moe_fp8_decode(E=128)
 
 
 CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode,
-         "moe_router_tagged": _moe_router_tagged}
+         "moe_tagged": _moe_tagged}
 
 
 def main(names: list[str]) -> int:

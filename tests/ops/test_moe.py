@@ -509,6 +509,39 @@ def test_t1_down_split_interpreter(interpreter, poisoned_buffers, monkeypatch, v
         ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)
 
 
+@pytest.mark.parametrize("wdtype,scale", [(torch.bfloat16, None), (FP8, "block")])
+def test_t1_down_tagged_combine_is_bitwise_the_stored_one_interpreter(interpreter, poisoned_buffers, monkeypatch,
+                                                                      wdtype, scale):
+    """EMBER_MOE_DOWN_TAGGED=1 (v2, split 2 and 4): the groups' partials as tagged words behind a
+    generation counter add up in group order to the very bits of the stored partials behind the
+    acq_rel counter, call after call (the counters advance one generation per call, never reset),
+    with and without the add_scale epilogue."""
+    from ember.kernels import moe as kmod
+    monkeypatch.setenv("EMBER_MOE_T1", "v2")
+    xdtype = torch.bfloat16
+    if wdtype == FP8:
+        wgu, gs, wd, ds = make_weights(FP8, h=100, i=48, scale=scale)
+    else:
+        wgu, wd, gs, ds = make_weights(wdtype, h=100, i=48)
+    lnw = (torch.rand(100) + 0.5).to(xdtype)
+    for split in ("2", "4"):
+        monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
+        for _ in range(3):
+            x, res = torch.randn(1, 100).to(xdtype), torch.randn(1, 100).to(xdtype)
+            tw, tid = moe_ops.moe_route_reference(torch.randn(1, E), 4)
+            outs = []
+            for flag in ("0", "1"):
+                monkeypatch.setenv("EMBER_MOE_DOWN_TAGGED", flag)
+                outs.append((ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds),
+                             *ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs,
+                                                              down_scale=ds)))
+            for a, b in zip(*outs):
+                assert torch.equal(a, b)
+            assert_close(outs[1][0], float64_experts(x, wgu, wd, tw, tid, gs, ds).to(xdtype), xdtype)
+    counters, _ = kmod._down_tagged_state(torch.device("cpu"), 1)
+    assert bool((counters % (1 << 20) == 0).all()) and int(counters.max()) > 0   # generations, never reset
+
+
 def test_t1_variant_switch(monkeypatch):
     from ember.kernels import moe as kmod
     monkeypatch.delenv("EMBER_MOE_T1", raising=False)

@@ -39,7 +39,6 @@ NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
 SCALE_BLOCK = 128
 ROUTER_GEN = tl.constexpr(1 << 20)   # the tagged router's generation step (> any n_prog)
 SPLIT_GEN = tl.constexpr(1 << 20)    # the tagged down combine's (> any SPLIT)
-DOWN_SLOT_WORDS = tl.constexpr(512)  # its words per counter (SPLIT * BLOCK_N at most)
 
 # Launch configurations. GPU values: the best of a sweep on the H200 at Qwen3-30B-A3B shapes (T=1:
 # 7 gate_up x 7 down GEMV configs, bf16 + fp8 time summed; T=16 / T=512: 5 configs each, all within
@@ -214,10 +213,10 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     0 stores it and the new residual for the expert GEMVs and the next layer.
     TAGGED (softmax routing without a shared gate; ``EMBER_ROUTER_TAGGED=1``, not yet timed): the
     logits are tagged words (``tagged``) in row t of ``slot_ptr`` (row stride ``slot_stride``, fixed
-    for the buffer's life, so a word only ever carries tags of token t's counter) stored relaxed, the counter is an int64
-    generation counter (program 0 adds ROUTER_GEN - (n_prog - 1), the others 1, so it is a multiple
-    of ROUTER_GEN between launches and the tag, its generation + 1, is read before arriving), the
-    arrival is relaxed, and the last program re-reads the logits whose tag is older: no release
+    for the buffer's life, so a word only ever carries tags of token t's counter) stored relaxed;
+    the counter is an int64 generation counter (program 0 adds ROUTER_GEN - (n_prog - 1), the others
+    1, so it is a multiple of ROUTER_GEN between launches and the tag, ``generation_tag``, is read
+    before arriving), the arrival is relaxed, and the last program re-reads the logits whose tag is older: no release
     drain before the arrival (what it saved in the one-row sampler: bench/sample_tagged_probe.py).
     """
     t = tl.program_id(0)
@@ -492,23 +491,24 @@ def _store_out_or_fold(out, out_ptr, t, stride_out, rows, row_mask, r, lw, scale
 @triton.jit
 def _store_split_or_fold(y, part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H,
                          FOLD: tl.constexpr, SPLIT: tl.constexpr, TAGGED: tl.constexpr = False, tag=0,
-                         BLOCK_N: tl.constexpr = 1):
+                         BLOCK_N: tl.constexpr = 1, REGION: tl.constexpr = 1):
     """The down GEMVs' end: ``y`` is this program's fp32 row sums (experts of group g of SPLIT).
     SPLIT == 1: _store_out_or_fold. Else: store y in part_ptr[t, g], arrive at counter (t, nb); the
     last of the SPLIT to arrive adds the partials in group order (the same bits whichever arrives
     last), stores the output (or the FOLD epilogue) and resets the counter.
     TAGGED (``EMBER_MOE_DOWN_TAGGED=1``, not yet timed): the partials are tagged words (``tag``: the
     counter's ``generation_tag``, read by the kernel before arriving) stored relaxed in int64
-    ``part_ptr``, in a region per counter (so a word only ever carries that counter's tags); the
+    ``part_ptr``, in a REGION-word region per counter (REGION is fixed for the buffer's life, so a
+    word only ever carries that counter's tags: ``_down_tagged_state``); the
     counter is an int64 generation counter (group 0 adds SPLIT_GEN - (SPLIT - 1), the others 1;
     never reset) with a relaxed arrival; the last reads all SPLIT groups at once, re-reads
     while a tag is older, and adds them in group order: the same bits as the stored partials."""
     if SPLIT == 1:
         _store_out_or_fold(y, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
-    elif TAGGED:  # counter (t, nb) owns words [c * DOWN_SLOT_WORDS, + SPLIT * BLOCK_N): group g, local row
+    elif TAGGED:  # counter (t, nb) owns words [c * REGION, + SPLIT * BLOCK_N): group g, local row
         c = t * tl.num_programs(1) + nb
         local = rows - nb * BLOCK_N
-        region = part_ptr + c * DOWN_SLOT_WORDS
+        region = part_ptr + c * REGION
         tl.store(region + g * BLOCK_N + local, tagged(y, tag), mask=row_mask)
         add = tl.where(g == 0, SPLIT_GEN - (SPLIT - 1), 1).to(tl.int64)
         if (tl.atomic_add(cnt_ptr + c, add, sem="relaxed", scope="gpu") + add) % SPLIT_GEN == 0:
@@ -623,7 +623,7 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                          BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
                          FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True, SPLIT: tl.constexpr = 1,
-                         PDL: tl.constexpr = False, TAGGED: tl.constexpr = False):
+                         PDL: tl.constexpr = False, TAGGED: tl.constexpr = False, REGION: tl.constexpr = 1):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
     FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait).
     SPLIT > 1: program (t, nb, g) sums experts g * TOP_K / SPLIT .. (g + 1) * TOP_K / SPLIT - 1 only
@@ -674,7 +674,7 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
         else:
             acc += acc_e * factor
     _store_split_or_fold(tl.sum(acc, axis=1), part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r,
-                         lw, scaled_ptr, H, FOLD, SPLIT, TAGGED, tag, BLOCK_N)
+                         lw, scaled_ptr, H, FOLD, SPLIT, TAGGED, tag, BLOCK_N, REGION)
 
 
 # ============================================================================ T >= 2: grouped kernels
@@ -1148,35 +1148,35 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
     nb = triton.cdiv(H, cfg["BLOCK_N"])
     split, part, cnt = _split_buffers(cfg, T, H, nb, top_k, w_down, h)
-    tagged = (split > 1 and os.environ.get("EMBER_MOE_DOWN_TAGGED", "0") == "1"
-              and split * cfg["BLOCK_N"] <= int(DOWN_SLOT_WORDS))
+    tagged = split > 1 and os.environ.get("EMBER_MOE_DOWN_TAGGED", "0") == "1"
+    region = triton.next_power_of_2(split * cfg["BLOCK_N"])
     if tagged:
-        cnt, part = _down_tagged_state(w_down.device, T * nb)
+        cnt, part = _down_tagged_state(w_down.device, T * nb, region)
     _down_gemv_v2_kernel[(T, nb, split)](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt,
         H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"],
-        BPS=cfg["BPS"], SPLIT=split, TAGGED=tagged, num_warps=cfg["num_warps"], num_stages=1, **fold_kw,
-        **pdl_options(x.device))
+        BPS=cfg["BPS"], SPLIT=split, TAGGED=tagged, REGION=region, num_warps=cfg["num_warps"], num_stages=1,
+        **fold_kw, **pdl_options(x.device))
     return out
 
 
-# The tagged down combine's state per (device, stream): one zeroed int64 buffer, generation counters
-# then tagged partials, made (and, first made during capture, zeroed on every replay) together, as
-# _router_tagged_state's.
+# The tagged down combine's state per (device, stream, region size): one zeroed int64 buffer,
+# generation counters then a region of tagged partials per counter, made (and, first made during
+# capture, zeroed on every replay) together, as _router_tagged_state's.
 _DOWN_STATE: dict = {}
 
 
-def _down_tagged_state(device: torch.device, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 generation counters [>= counters], their DOWN_SLOT_WORDS-word regions of tagged partials)."""
+def _down_tagged_state(device: torch.device, counters: int, region: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 generation counters [>= counters], their ``region``-word regions of tagged partials)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    key = (str(device), stream, region)
     buf = _DOWN_STATE.get(key)
-    if buf is None or buf.numel() // (1 + int(DOWN_SLOT_WORDS)) < counters:
+    if buf is None or buf.numel() // (1 + region) < counters:
         if buf is not None:
             _TAGGED_RETIRED.append(buf)  # a captured graph may still point at it
-        n = max(triton.next_power_of_2(counters), 256)
-        buf = _DOWN_STATE[key] = torch.zeros(n * (1 + int(DOWN_SLOT_WORDS)), dtype=torch.int64, device=device)
-    n = buf.numel() // (1 + int(DOWN_SLOT_WORDS))
+        n = max(triton.next_power_of_2(counters), 64)
+        buf = _DOWN_STATE[key] = torch.zeros(n * (1 + region), dtype=torch.int64, device=device)
+    n = buf.numel() // (1 + region)
     return buf[:n], buf[n:]
 
 

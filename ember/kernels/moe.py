@@ -499,7 +499,7 @@ def _store_split_or_fold(y, part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, ro
     TAGGED (``EMBER_MOE_DOWN_TAGGED=1``, not yet timed): the partials are tagged words (``tag``: the
     counter's ``generation_tag``, read by the kernel before arriving) stored relaxed in int64
     ``part_ptr``, in a REGION-word region per counter (REGION is fixed for the buffer's life, so a
-    word only ever carries that counter's tags: ``_down_tagged_state``); the
+    word only ever carries that counter's tags: ``_tagged_state``); the
     counter is an int64 generation counter (group 0 adds SPLIT_GEN - (SPLIT - 1), the others 1;
     never reset) with a relaxed arrival; the last reads all SPLIT groups at once, re-reads
     while a tag is older, and adds them in group order: the same bits as the stored partials."""
@@ -924,30 +924,15 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
         PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", TAGGED=tagged, slot_ptr=slots,
-        slot_stride=slots.numel() // ROUTER_MAX_TOKENS if tagged else 0,
+        slot_stride=slots.numel() // counters.numel() if tagged else 0,
         num_warps=warps, **pdl_options(x.device))
     return w, ids
 
 
-# The tagged router's state per (device, stream): one zeroed int64 buffer, ROUTER_MAX_TOKENS generation
-# counters then [ROUTER_MAX_TOKENS, E_cap] logit slots. Counters and slots are made (and, first made
-# during capture, zeroed on every replay) together: a stale word's tag is then always older than the
-# generation a launch looks for. Outgrown buffers are kept (captured graphs may point at them).
-_ROUTER_STATE: dict = {}
-_TAGGED_RETIRED: list = []
-
-
 def _router_tagged_state(device: torch.device, E: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(generation counters [ROUTER_MAX_TOKENS], tagged logit slots [ROUTER_MAX_TOKENS * E_cap]) for E experts."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _ROUTER_STATE.get(key)
-    if buf is None or (buf.numel() - ROUTER_MAX_TOKENS) // ROUTER_MAX_TOKENS < E:
-        if buf is not None:
-            _TAGGED_RETIRED.append(buf)
-        cap = max(128, triton.next_power_of_2(E))
-        buf = _ROUTER_STATE[key] = torch.zeros(ROUTER_MAX_TOKENS * (1 + cap), dtype=torch.int64, device=device)
-    return buf[:ROUTER_MAX_TOKENS], buf[ROUTER_MAX_TOKENS:]
+    """(generation counters [>= ROUTER_MAX_TOKENS], token t's tagged logits at t * stride of the rest:
+    ``_tagged_state``) for E experts; stride = the rest's length // its counters."""
+    return _tagged_state("router", device, ROUTER_MAX_TOKENS, max(128, triton.next_power_of_2(E)))
 
 
 def _align(topk_ids: torch.Tensor, E: int, block_m: int):
@@ -1149,9 +1134,9 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     nb = triton.cdiv(H, cfg["BLOCK_N"])
     split, part, cnt = _split_buffers(cfg, T, H, nb, top_k, w_down, h)
     tagged = split > 1 and os.environ.get("EMBER_MOE_DOWN_TAGGED", "0") == "1"
-    region = triton.next_power_of_2(split * cfg["BLOCK_N"])
+    region = triton.next_power_of_2(split * cfg["BLOCK_N"]) if tagged else 1
     if tagged:
-        cnt, part = _down_tagged_state(w_down.device, T * nb, region)
+        cnt, part = _tagged_state("down", w_down.device, T * nb, region)
     _down_gemv_v2_kernel[(T, nb, split)](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt,
         H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"],
@@ -1160,22 +1145,26 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     return out
 
 
-# The tagged down combine's state per (device, stream, region size): one zeroed int64 buffer,
-# generation counters then a region of tagged partials per counter, made (and, first made during
-# capture, zeroed on every replay) together, as _router_tagged_state's.
-_DOWN_STATE: dict = {}
+# State of the tagged kernels (router, down combine) per (purpose, device, stream, region size): one
+# zeroed int64 buffer, n generation counters then n regions of ``region`` tagged words, counter i
+# owning region i. Counters and words are made (and, first made during capture, zeroed on every
+# replay) together, and a region only ever belongs to its counter, so a stale word's tag is always
+# older than the generation a launch looks for. Outgrown buffers are kept (captured graphs may point
+# at them).
+_TAGGED_STATE: dict = {}
+_TAGGED_RETIRED: list = []
 
 
-def _down_tagged_state(device: torch.device, counters: int, region: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 generation counters [>= counters], their ``region``-word regions of tagged partials)."""
+def _tagged_state(purpose: str, device: torch.device, counters: int, region: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 generation counters [n >= counters], their n ``region``-word regions of tagged words)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, region)
-    buf = _DOWN_STATE.get(key)
+    key = (purpose, str(device), stream, region)
+    buf = _TAGGED_STATE.get(key)
     if buf is None or buf.numel() // (1 + region) < counters:
         if buf is not None:
-            _TAGGED_RETIRED.append(buf)  # a captured graph may still point at it
+            _TAGGED_RETIRED.append(buf)
         n = max(triton.next_power_of_2(counters), 64)
-        buf = _DOWN_STATE[key] = torch.zeros(n * (1 + region), dtype=torch.int64, device=device)
+        buf = _TAGGED_STATE[key] = torch.zeros(n * (1 + region), dtype=torch.int64, device=device)
     n = buf.numel() // (1 + region)
     return buf[:n], buf[n:]
 

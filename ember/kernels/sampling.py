@@ -88,7 +88,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels._common import (await_tagged, bulk_prefetch_l2, generation_tag, hopper_or_newer, pdl_options,
-                                   pdl_start, tagged, untagged)
+                                   pdl_start, tagged, tagged_load, untagged)
 
 ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
@@ -398,12 +398,8 @@ def _tagged_row_poll(row_slots, P, tag, PB: tl.constexpr, FIRST: tl.constexpr):
     k = tl.arange(0, PB)
     km = k < P
     base = row_slots + 2 * k
-    if FIRST:
-        wm = tl.load(base, mask=km, other=0, cache_modifier=".cg")
-        ws = tl.load(base + 1, mask=km, other=0, cache_modifier=".cg")
-    else:
-        wm = tl.load(base, mask=km, other=0, volatile=True)
-        ws = tl.load(base + 1, mask=km, other=0, volatile=True)
+    wm = tagged_load(base, km, FIRST)
+    ws = tagged_load(base + 1, km, FIRST)
     fresh = ((wm >> 32) == tag) & ((ws >> 32) == tag)
     m = tl.where(km & fresh, untagged(wm), -float("inf"))
     M = tl.max(m, axis=0)
@@ -446,16 +442,17 @@ def _softmax_waves_kernel(x_ptr, out_ptr, stride_x, stride_out, B, V, P, R, m_pt
     between the barrier and the stores of every wave; softmax_barrier_probe.json and raw/).
 
     HINTED (the default): the partials are int64 words, a 31-bit tag (the row barrier's generation
-    + 1, ``generation_tag``: never 0) above the float's bits, stored relaxed in ``slot_ptr[row, 2c]`` / ``[row, 2c + 1]`` (a
-    layout independent of P); a 64-bit aligned store or load is single-copy atomic, so a word that
-    carries this launch's tag holds this launch's value. The row counter is then only a hint of when
-    to look: arrival is a relaxed ``atomic_add``, and after the counter completes the program reads
-    the row's 2P words once (re-reading any whose tag is older). The acq_rel arrival it replaces made
-    every program wait, once per row, until its earlier stores were performed, the previous row's
-    chunk of output among them. A word's tag only grows (each launch adds one generation to every
-    row it touches; after 2^31 - 1 launches it wraps to 1, skipping the zeroed slots' 0), and the
-    slots are replaced whenever the workspace is (``_tagged_slots``), so a stale word never carries
-    the tag a launch looks for (after a wrap: unless it was last written exactly 2^31 - 1 launches before). H200 [256, 128256] fp32, same runs
+    + 1, ``generation_tag``: never 0) above the float's bits, stored relaxed in ``slot_ptr[row, 2c]``
+    / ``[row, 2c + 1]`` (a layout independent of P); a 64-bit aligned store or load is single-copy
+    atomic, so a word that carries this launch's tag holds this launch's value. The row counter is
+    then only a hint of when to look: arrival is a relaxed ``atomic_add``, and after the counter
+    completes the program reads the row's 2P words once (re-reading any whose tag is older). The
+    acq_rel arrival it replaces made every program wait, once per row, until its earlier stores were
+    performed, the previous row's chunk of output among them. A word's tag only grows (each launch
+    adds one generation to every row it touches; after 2^31 - 1 launches it wraps to 1, skipping the
+    zeroed slots' 0), and the slots are replaced whenever the workspace is (``_tagged_slots``), so a
+    stale word never carries the tag a launch looks for (after a wrap: unless it was last written
+    exactly 2^31 - 1 launches before). H200 [256, 128256] fp32, same runs
     (bench/results/h200/softmax_barrier_probe.json at the default shape, raw/ at 8192,8,2,2):
         16384,16,1,2   acq_rel counter 91.5-92.0 us   hinted 79.0-79.6 us (79.4-80.0% of copy)
         8192,8,2,2     acq_rel counter 83.6-84.4 us   hinted 80.5-81.4 us
@@ -1397,10 +1394,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
         z = tl.load(x_ptr + row * stride_x + cols, mask=inb, other=-float("inf")).to(tl.float32) / t
         # issued after the chunk's load: the acquire orders this program's arrival after the read
         # of the offset (which program (0, 0) advances once all have arrived) without delaying x
-        if OFFSET_TENSOR:
-            if OFF_BY_FINISHER:  # the finisher reads and advances it (_topk_tagged_row)
-                off = tl.load(offset_ptr)
-            elif LD_POLL:
+        if OFFSET_TENSOR:  # (OFF_BY_FINISHER: the finisher reads and advances it, _topk_tagged_row)
+            if LD_POLL and not OFF_BY_FINISHER:
                 off = _ld_acquire(offset_ptr)
             else:
                 off = tl.load(offset_ptr)

@@ -538,7 +538,7 @@ def test_t1_down_tagged_combine_is_bitwise_the_stored_one_interpreter(interprete
             for a, b in zip(*outs):
                 assert torch.equal(a, b)
             assert_close(outs[1][0], float64_experts(x, wgu, wd, tw, tid, gs, ds).to(xdtype), xdtype)
-    states = [buf for key, buf in kmod._DOWN_STATE.items() if key[0] == "cpu"]
+    states = [buf for key, buf in kmod._TAGGED_STATE.items() if key[:2] == ("down", "cpu")]
     assert states and all(bool((buf[:64] % (1 << 20) == 0).all()) for buf in states)   # generations, never reset
     assert max(int(buf[:64].max()) for buf in states) > 0
 

@@ -12,7 +12,9 @@ passes) every program of the tagged path reads it with ``ld.acquire`` and progra
 bench/results/h200/sample_tagged_probe.json was measured with the int offset variants only (and
 since-removed ones: raw/README.md); the offset-tensor variants are for the next run.
 
-    python bench/sample_tagged_probe.py OUT_JSON
+    python bench/sample_tagged_probe.py OUT_JSON [VARIANT,VARIANT,... [MIX,MIX,...]]
+    (each kernel variant compiles once, ~20 s: a subset keeps one call short; the first named
+    variant is the one the others' tokens are compared with)
 """
 from __future__ import annotations
 
@@ -51,16 +53,18 @@ def _at_7(call, x, offset) -> list[int]:
     return tok
 
 
-def main(path: str | None = None) -> dict:
+def main(path: str | None = None, variants: list[str] | None = None, mixes: list[str] | None = None) -> dict:
+    variants = {v: VARIANTS[v] for v in variants or VARIANTS}
+    first = next(iter(variants))
     seed = torch.tensor([5], device="cuda")
     offset = torch.zeros(1, dtype=torch.int64, device="cuda")
     res = {"repeats": REPEATS, "mixes": {}}
-    for name, (B, T, k, p, minp) in MIXES.items():
+    for name, (B, T, k, p, minp) in ((m, MIXES[m]) for m in mixes or MIXES):
         xs = [torch.randn(B, V, device="cuda") * 3 for _ in range(_timing.copies_to_exceed_l2(4 * B * V))]
-        times = {label: [] for label in VARIANTS}
+        times = {label: [] for label in variants}
         tokens = {}
         for _ in range(REPEATS):
-            for label, (env, kind) in VARIANTS.items():
+            for label, (env, kind) in variants.items():
                 with env_vars(env):
                     def call(x, kind=kind):
                         out = torch.empty(B, dtype=torch.int64, device="cuda")
@@ -68,7 +72,7 @@ def main(path: str | None = None) -> dict:
                         return out
                     tokens[label] = [call(x).tolist() if kind == "int" else _at_7(call, x, offset) for x in xs[:6]]
                     times[label].append(_timing.graph_time_us([lambda x=x: call(x) for x in xs]))
-        same = all(t == tokens["tagged"] for t in tokens.values())
+        same = all(t == tokens[first] for t in tokens.values())
         res["mixes"][name] = {label: {"median_us": statistics.median(v), "all_us": v} for label, v in times.items()}
         res["mixes"][name]["tokens_equal"] = same
         for label, v in times.items():
@@ -82,4 +86,5 @@ def main(path: str | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    main(sys.argv[1] if len(sys.argv) > 1 else None, sys.argv[2].split(",") if len(sys.argv) > 2 else None,
+         sys.argv[3].split(",") if len(sys.argv) > 3 else None)

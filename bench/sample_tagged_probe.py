@@ -7,8 +7,7 @@ an acq_rel arrival after them). This times both, alternating REPEATS times, and 
 draw the same tokens for the same seed and offset. With an offset tensor (what ``ember.ops.sample``
 passes) every program of the tagged path reads it with ``ld.acquire`` and program (0, 0) advances it;
 ``EMBER_SAMPLE_OFFSET_BY_FINISHER=1`` (one row) lets the row's finisher read and advance it instead;
-``EMBER_SAMPLE_PACKED_RACE=1`` has the finisher pick the winner with one packed max;
-``EMBER_SAMPLE_TAG_FIRST=1`` loads the grid tag before the offset's acquire instead of after it.
+``EMBER_SAMPLE_PACKED_RACE=1`` has the finisher pick the winner with one packed max.
 bench/results/h200/sample_tagged_probe.json was measured with the int offset variants only (and
 since-removed ones: raw/README.md); the offset-tensor variants are for the next run.
 
@@ -39,9 +38,6 @@ VARIANTS = {"tagged": ({}, "int"), "acq_rel": ({"EMBER_SAMPLE_TAGGED": "0"}, "in
             "tagged_offset_by_finisher": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "1"}, "tensor"),
             "tagged_offset_by_finisher_packed_race": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "1",
                                                        "EMBER_SAMPLE_PACKED_RACE": "1"}, "tensor"),
-            "tagged_offset_tensor_tag_first": ({"EMBER_SAMPLE_TAG_FIRST": "1"}, "tensor"),
-            "tagged_offset_by_finisher_tag_first": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "1",
-                                                     "EMBER_SAMPLE_TAG_FIRST": "1"}, "tensor"),
             "acq_rel_offset_tensor": ({"EMBER_SAMPLE_TAGGED": "0"}, "tensor")}
 
 

@@ -1351,7 +1351,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
                               WAVES: tl.constexpr = False, LD_POLL: tl.constexpr = False,
                               PDL: tl.constexpr = False, FREE: tl.constexpr = False,
                               TAGGED: tl.constexpr = False, slots=None, OFF_BY_FINISHER: tl.constexpr = False,
-                              PACKED_RACE: tl.constexpr = False, TAG_FIRST: tl.constexpr = False):
+                              PACKED_RACE: tl.constexpr = False):
     """``_chunk_stats_kernel`` + ``_sample_kernel`` in ONE launch (few rows: all B * P programs
     resident, as ``_softmax_one_launch_kernel``): each program publishes its chunk's statistics,
     meets the others at the grid barrier, and goes on from the chunk it still holds in registers.
@@ -1392,8 +1392,6 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
         cols = c * CHUNK + tl.arange(0, CHUNK)
         inb = cols < V
         z = tl.load(x_ptr + row * stride_x + cols, mask=inb, other=-float("inf")).to(tl.float32) / t
-        if TAG_FIRST:  # the tag's load issued before the offset's acquire, not held behind it
-            tag = generation_tag(tl.load(bar_ptr, cache_modifier=".cg") // BARRIER_GEN)
         # issued after the chunk's load: the acquire orders this program's arrival after the read
         # of the offset (which program (0, 0) advances once all have arrived) without delaying x
         if OFFSET_TENSOR:  # (OFF_BY_FINISHER: the finisher reads and advances it, _topk_tagged_row)
@@ -1403,8 +1401,7 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
                 off = tl.load(offset_ptr)
         else:
             off = tl.cast(offset_scalar, tl.int64)
-        if not TAG_FIRST:
-            tag = generation_tag(tl.load(bar_ptr, cache_modifier=".cg") // BARRIER_GEN)  # not complete yet
+        tag = generation_tag(tl.load(bar_ptr, cache_modifier=".cg") // BARRIER_GEN)  # not complete yet
         _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_programs, out_ptr, offset_ptr,
                          t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap, OFFSET_TENSOR, CHUNK, SUB, QB,
                          CAP, KC, FALLBACK_BLOCK, SMALL_SORT, LD_POLL, OFF_BY_FINISHER, PACKED_RACE)
@@ -1966,7 +1963,6 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         LD_POLL=dev.type == "cuda", FREE=free, TAGGED=tagged, slots=grid_slots,
         OFF_BY_FINISHER=tagged and B == 1 and os.environ.get("EMBER_SAMPLE_OFFSET_BY_FINISHER", "0") == "1",
         PACKED_RACE=tagged and os.environ.get("EMBER_SAMPLE_PACKED_RACE", "0") == "1",
-        TAG_FIRST=tagged and os.environ.get("EMBER_SAMPLE_TAG_FIRST", "0") == "1",
         num_warps=_sample_warps(base, sub, topk_on), **pdl_options(dev))
 
 

@@ -580,17 +580,14 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
     _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
 
 
-@pytest.mark.parametrize("tag_first", ["0", "1"])
 @pytest.mark.parametrize("top_k", [10, 50])   # 50 > the 20 pieces: no bound, the finisher's exact fallback
-def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, monkeypatch, top_k, tag_first):
+def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, monkeypatch, top_k):
     """EMBER_SAMPLE_OFFSET_BY_FINISHER=1 (one row, tagged top-k): the row's finisher reads the offset
     tensor and advances it; the token is the two launches' for the same offset, which both advance
     once. (With the acquire scheme program (0, 0) advances it after the barrier; here, where the
-    programs run in turn, the later ones then read the advanced value.) EMBER_SAMPLE_TAG_FIRST=1
-    moves the grid tag's load before the offset's."""
+    programs run in turn, the later ones then read the advanced value.)"""
     k = _k()
     monkeypatch.setenv("EMBER_SAMPLE_OFFSET_BY_FINISHER", "1")
-    monkeypatch.setenv("EMBER_SAMPLE_TAG_FIRST", tag_first)
     x = torch.randn(1, 20000) * 3
     for start in (0, 41):
         offs = [torch.full((1,), start, dtype=torch.int64) for _ in range(2)]
@@ -603,14 +600,12 @@ def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, mo
     _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
 
 
-@pytest.mark.parametrize("variant", ["EMBER_SAMPLE_PACKED_RACE", "EMBER_SAMPLE_TAG_FIRST"])
 @pytest.mark.parametrize("top_k,top_p,min_p", [(10, 0.9, 0.0), (15, 1.0, 0.05)])
-def test_sample_topk_variants_equal_two_launches_interpreter(interpreter, monkeypatch, top_k, top_p, min_p, variant):
+def test_sample_topk_packed_race_equals_two_launches_interpreter(interpreter, monkeypatch, top_k, top_p, min_p):
     """EMBER_SAMPLE_PACKED_RACE=1: the finisher's winner by one max over packed (key, column) words
-    draws the two launches' tokens (argmax, max and gather there), ties at the thresholds included;
-    so does EMBER_SAMPLE_TAG_FIRST=1 (the grid tag read first)."""
+    draws the two launches' tokens (argmax, max and gather there), ties at the thresholds included."""
     k = _k()
-    monkeypatch.setenv(variant, "1")
+    monkeypatch.setenv("EMBER_SAMPLE_PACKED_RACE", "1")
     x = torch.randn(2, 20000) * 3
     x[1, ::5] = x[1, ::5].round()                     # integer logits on every 5th column: ties
     for off in range(3):

@@ -31,14 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import (arrival_counters, await_tagged, env_ints, generation_tag, pdl_options, pdl_start,
-                                   residual_inv_rms, residual_sum, round_to, tagged, untagged)
+from ember.kernels._common import arrival_counters, env_ints, pdl_options, pdl_start, residual_inv_rms, residual_sum, round_to
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
 SCALE_BLOCK = 128
-ROUTER_GEN = tl.constexpr(1 << 20)   # the tagged router's generation step (> any n_prog)
-SPLIT_GEN = tl.constexpr(1 << 20)    # the tagged down combine's (> any SPLIT)
 
 # Launch configurations. GPU values: the best of a sweep on the H200 at Qwen3-30B-A3B shapes (T=1:
 # 7 gate_up x 7 down GEMV configs, bf16 + fp8 time summed; T=16 / T=512: 5 configs each, all within
@@ -127,15 +124,6 @@ def _topk_of_row(logits_ptr, row, stride_row, E, TOP_K: tl.constexpr, RENORM: tl
     in_range = offs < E
     logits = tl.load(logits_ptr + row * stride_row + offs, mask=in_range, other=-float("inf"),
                      volatile=VOLATILE).to(tl.float32)
-    return _topk_of_logits(logits, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, PACKED)
-
-
-@triton.jit
-def _topk_of_logits(logits, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_KK: tl.constexpr, PACKED: tl.constexpr):
-    """``_topk_of_row`` of a row already in registers ([BLOCK_E], -inf past E)."""
-    offs = tl.arange(0, BLOCK_E)
-    in_range = offs < E
     ex = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(in_range, ex / tl.sum(ex, axis=0), -1.0)  # padding lanes are never picked
     if PACKED:
@@ -199,8 +187,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, ADD_NORM: tl.constexpr = False,
-                         PACKED: tl.constexpr = True, PDL: tl.constexpr = False, TAGGED: tl.constexpr = False,
-                         slot_ptr=None, slot_stride=0):
+                         PACKED: tl.constexpr = True, PDL: tl.constexpr = False):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
@@ -211,13 +198,6 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     ``add_rmsnorm``, saving its launch): every program computes the normalised row itself (the same
     code and layout everywhere, so the same values), multiplies its router rows with it, and program
     0 stores it and the new residual for the expert GEMVs and the next layer.
-    TAGGED (softmax routing without a shared gate; ``EMBER_ROUTER_TAGGED=1``, not yet timed): the
-    logits are tagged words (``tagged``) in row t of ``slot_ptr`` (row stride ``slot_stride``, fixed
-    for the buffer's life, so a word only ever carries tags of token t's counter) stored relaxed;
-    the counter is an int64 generation counter (program 0 adds ROUTER_GEN - (n_prog - 1), the others
-    1, so it is a multiple of ROUTER_GEN between launches and the tag, ``generation_tag``, is read
-    before arriving), the arrival is relaxed, and the last program re-reads the logits whose tag is older: no release
-    drain before the arrival (what it saved in the one-row sampler: bench/sample_tagged_probe.py).
     """
     t = tl.program_id(0)
     j = tl.program_id(1)
@@ -229,8 +209,6 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     ks = tl.arange(0, BLOCK_H)
     w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < H)[None, :], other=0.0)
     pdl_start(PDL)
-    if TAGGED:  # this launch's generation: the token's counter cannot be complete before this arrival
-        tag = generation_tag(tl.load(cnt_ptr + t, cache_modifier=".cg") // ROUTER_GEN)
     inv_rms = 0.0
     if ADD_NORM:  # program 0 of the token writes the new residual
         inv_rms = residual_inv_rms(x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps, j == 0,
@@ -244,22 +222,8 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
         xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM)
         acc += w.to(tl.float32) * xv[None, :]
     logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
-    if TAGGED:
-        tl.store(slot_ptr + t * slot_stride + rows, tagged(logit, tag), mask=row_mask)
-        add = tl.where(j == 0, ROUTER_GEN - (n_prog - 1), 1).to(tl.int64)
-        last = (tl.atomic_add(cnt_ptr + t, add, sem="relaxed", scope="gpu") + add) % ROUTER_GEN == 0
-    else:
-        tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
-        last = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1
-    if TAGGED:
-        if last:  # every program has arrived: their logits come, whatever the wait (no cap needed)
-            words, _, _ = await_tagged(slot_ptr + t * slot_stride, E, tag, 0x7FFFFFFF, False, BLOCK_E)
-            ws, ids = _topk_of_logits(tl.where(tl.arange(0, BLOCK_E) < E, untagged(words), -float("inf")), E, TOP_K,
-                                      RENORM, BLOCK_E, BLOCK_KK, PACKED)
-            kk = tl.arange(0, BLOCK_KK)
-            tl.store(tw_ptr + t * TOP_K + kk, ws, mask=kk < TOP_K)
-            tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kk < TOP_K)
-    elif last:
+    tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
+    if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
         if SIGMOID:
             ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
                                            BLOCK_E, BLOCK_KK)
@@ -490,39 +454,13 @@ def _store_out_or_fold(out, out_ptr, t, stride_out, rows, row_mask, r, lw, scale
 
 @triton.jit
 def _store_split_or_fold(y, part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H,
-                         FOLD: tl.constexpr, SPLIT: tl.constexpr, TAGGED: tl.constexpr = False, tag=0,
-                         BLOCK_N: tl.constexpr = 1, REGION: tl.constexpr = 1):
+                         FOLD: tl.constexpr, SPLIT: tl.constexpr):
     """The down GEMVs' end: ``y`` is this program's fp32 row sums (experts of group g of SPLIT).
     SPLIT == 1: _store_out_or_fold. Else: store y in part_ptr[t, g], arrive at counter (t, nb); the
     last of the SPLIT to arrive adds the partials in group order (the same bits whichever arrives
-    last), stores the output (or the FOLD epilogue) and resets the counter.
-    TAGGED (``EMBER_MOE_DOWN_TAGGED=1``, not yet timed): the partials are tagged words (``tag``: the
-    counter's ``generation_tag``, read by the kernel before arriving) stored relaxed in int64
-    ``part_ptr``, in a REGION-word region per counter (REGION is fixed for the buffer's life, so a
-    word only ever carries that counter's tags: ``_tagged_state``); the
-    counter is an int64 generation counter (group 0 adds SPLIT_GEN - (SPLIT - 1), the others 1;
-    never reset) with a relaxed arrival; the last reads all SPLIT groups at once, re-reads
-    while a tag is older, and adds them in group order: the same bits as the stored partials."""
+    last), stores the output (or the FOLD epilogue) and resets the counter."""
     if SPLIT == 1:
         _store_out_or_fold(y, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
-    elif TAGGED:  # counter (t, nb) owns words [c * REGION, + SPLIT * BLOCK_N): group g, local row
-        c = t * tl.num_programs(1) + nb
-        local = rows - nb * BLOCK_N
-        region = part_ptr + c * REGION
-        tl.store(region + g * BLOCK_N + local, tagged(y, tag), mask=row_mask)
-        add = tl.where(g == 0, SPLIT_GEN - (SPLIT - 1), 1).to(tl.int64)
-        if (tl.atomic_add(cnt_ptr + c, add, sem="relaxed", scope="gpu") + add) % SPLIT_GEN == 0:
-            gg = tl.arange(0, SPLIT)[:, None]
-            both = (gg < SPLIT) & row_mask[None, :]
-            ptrs = region + gg * BLOCK_N + local[None, :]
-            words = tl.load(ptrs, mask=both, other=0, cache_modifier=".cg")
-            while tl.sum(tl.sum((both & ((words >> 32) != tag)).to(tl.int32), axis=1), axis=0) > 0:
-                words = tl.load(ptrs, mask=both, other=0, volatile=True)  # all arrived: their words come
-            vals = untagged(words)
-            total = tl.zeros_like(y)
-            for g2 in tl.static_range(SPLIT):  # group order; one nonzero term per column: exact
-                total += tl.sum(tl.where(gg == g2, vals, 0.0), axis=0)
-            _store_out_or_fold(total, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
     else:
         tl.store(part_ptr + (t * SPLIT + g) * H + rows, y, mask=row_mask)
         tl.debug_barrier()  # every thread's partial stores precede the release below
@@ -623,11 +561,11 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                          BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
                          FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True, SPLIT: tl.constexpr = 1,
-                         PDL: tl.constexpr = False, TAGGED: tl.constexpr = False, REGION: tl.constexpr = 1):
+                         PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
     FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait).
     SPLIT > 1: program (t, nb, g) sums experts g * TOP_K / SPLIT .. (g + 1) * TOP_K / SPLIT - 1 only
-    (_store_split_or_fold combines the groups; TAGGED: as tagged words)."""
+    (_store_split_or_fold combines the groups)."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     g = tl.program_id(2)
@@ -636,9 +574,6 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
     row_mask = rows < H
     r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD and FOLD_EARLY, True)
     pdl_start(PDL)
-    tag = 0
-    if TAGGED:  # this launch's generation: (t, nb)'s counter cannot be complete before this arrival
-        tag = generation_tag(tl.load(cnt_ptr + t * tl.num_programs(1) + nb, cache_modifier=".cg") // SPLIT_GEN)
     if not FOLD_EARLY:
         r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, False)
     mask_rows = row_mask[:, None]
@@ -674,7 +609,7 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
         else:
             acc += acc_e * factor
     _store_split_or_fold(tl.sum(acc, axis=1), part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r,
-                         lw, scaled_ptr, H, FOLD, SPLIT, TAGGED, tag, BLOCK_N, REGION)
+                         lw, scaled_ptr, H, FOLD, SPLIT)
 
 
 # ============================================================================ T >= 2: grouped kernels
@@ -914,25 +849,14 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     n_prog = triton.cdiv(E, block_r)
     bias = expert_bias.float().contiguous() if expert_bias is not None else logits
     res, lnw, eps, normed, new_res = add_norm if add_norm is not None else (x, x, 0.0, x, x)
-    tagged = os.environ.get("EMBER_ROUTER_TAGGED", "0") == "1" and scoring == "softmax" and not shared_expert_gate
-    counters, slots = _router_tagged_state(x.device, E) if tagged else (arrival_counters("moe_router", x.device, T),
-                                                                          None)
     _router_route_kernel[(T, n_prog)](
-        x, router.contiguous(), logits, counters, w, ids, bias, float(scaling),
+        x, router.contiguous(), logits, arrival_counters("moe_router", x.device, T), w, ids, bias, float(scaling),
         E, H, x.stride(0), n_prog, res, lnw, normed, new_res, float(eps),
         TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
-        PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", TAGGED=tagged, slot_ptr=slots,
-        slot_stride=slots.numel() // counters.numel() if tagged else 0,
-        num_warps=warps, **pdl_options(x.device))
+        PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", num_warps=warps, **pdl_options(x.device))
     return w, ids
-
-
-def _router_tagged_state(device: torch.device, E: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(generation counters [>= ROUTER_MAX_TOKENS], token t's tagged logits at t * stride of the rest:
-    ``_tagged_state``) for E experts; stride = the rest's length // its counters."""
-    return _tagged_state("router", device, ROUTER_MAX_TOKENS, max(128, triton.next_power_of_2(E)))
 
 
 def _align(topk_ids: torch.Tensor, E: int, block_m: int):
@@ -1133,40 +1057,11 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
     nb = triton.cdiv(H, cfg["BLOCK_N"])
     split, part, cnt = _split_buffers(cfg, T, H, nb, top_k, w_down, h)
-    tagged = split > 1 and os.environ.get("EMBER_MOE_DOWN_TAGGED", "0") == "1"
-    region = triton.next_power_of_2(split * cfg["BLOCK_N"]) if tagged else 1
-    if tagged:
-        cnt, part = _tagged_state("down", w_down.device, T * nb, region)
     _down_gemv_v2_kernel[(T, nb, split)](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt,
         H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"],
-        BPS=cfg["BPS"], SPLIT=split, TAGGED=tagged, REGION=region, num_warps=cfg["num_warps"], num_stages=1,
-        **fold_kw, **pdl_options(x.device))
+        BPS=cfg["BPS"], SPLIT=split, num_warps=cfg["num_warps"], num_stages=1, **fold_kw, **pdl_options(x.device))
     return out
-
-
-# State of the tagged kernels (router, down combine) per (purpose, device, stream, region size): one
-# zeroed int64 buffer, n generation counters then n regions of ``region`` tagged words, counter i
-# owning region i. Counters and words are made (and, first made during capture, zeroed on every
-# replay) together, and a region only ever belongs to its counter, so a stale word's tag is always
-# older than the generation a launch looks for. Outgrown buffers are kept (captured graphs may point
-# at them).
-_TAGGED_STATE: dict = {}
-_TAGGED_RETIRED: list = []
-
-
-def _tagged_state(purpose: str, device: torch.device, counters: int, region: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 generation counters [n >= counters], their n ``region``-word regions of tagged words)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (purpose, str(device), stream, region)
-    buf = _TAGGED_STATE.get(key)
-    if buf is None or buf.numel() // (1 + region) < counters:
-        if buf is not None:
-            _TAGGED_RETIRED.append(buf)
-        n = max(triton.next_power_of_2(counters), 64)
-        buf = _TAGGED_STATE[key] = torch.zeros(n * (1 + region), dtype=torch.int64, device=device)
-    n = buf.numel() // (1 + region)
-    return buf[:n], buf[n:]
 
 
 def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None, fold=None):

@@ -76,17 +76,7 @@ def _moe_fp8_decode(E: int = 8):
                           gate_up_scale=gs, down_scale=ds)
 
 
-def _moe_tagged():
-    """The opt-in tagged router and tagged down combine (EMBER_ROUTER_TAGGED=1, EMBER_MOE_DOWN_TAGGED=1)
-    at Qwen3-30B-A3B's 128 experts, fp8 block scales, the expert groups split."""
-    os.environ["EMBER_ROUTER_TAGGED"] = "1"
-    os.environ["EMBER_MOE_DOWN_TAGGED"] = "1"
-    os.environ.setdefault("EMBER_MOE_DOWN_SPLIT", "4")
-    _moe_fp8_decode(E=128)
-
-
-CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode,
-         "moe_tagged": _moe_tagged}
+CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode}
 
 
 def main(names: list[str]) -> int:

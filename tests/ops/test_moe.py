@@ -509,40 +509,6 @@ def test_t1_down_split_interpreter(interpreter, poisoned_buffers, monkeypatch, v
         ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)
 
 
-@pytest.mark.parametrize("wdtype,scale", [(torch.bfloat16, None), (FP8, "block")])
-def test_t1_down_tagged_combine_is_bitwise_the_stored_one_interpreter(interpreter, poisoned_buffers, monkeypatch,
-                                                                      wdtype, scale):
-    """EMBER_MOE_DOWN_TAGGED=1 (v2, split 2 and 4): the groups' partials as tagged words behind a
-    generation counter add up in group order to the very bits of the stored partials behind the
-    acq_rel counter, call after call (the counters advance one generation per call, never reset),
-    with and without the add_scale epilogue."""
-    from ember.kernels import moe as kmod
-    monkeypatch.setenv("EMBER_MOE_T1", "v2")
-    xdtype = torch.bfloat16
-    if wdtype == FP8:
-        wgu, gs, wd, ds = make_weights(FP8, h=100, i=48, scale=scale)
-    else:
-        wgu, wd, gs, ds = make_weights(wdtype, h=100, i=48)
-    lnw = (torch.rand(100) + 0.5).to(xdtype)
-    for split in ("2", "4"):
-        monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
-        for _ in range(3):
-            x, res = torch.randn(1, 100).to(xdtype), torch.randn(1, 100).to(xdtype)
-            tw, tid = moe_ops.moe_route_reference(torch.randn(1, E), 4)
-            outs = []
-            for flag in ("0", "1"):
-                monkeypatch.setenv("EMBER_MOE_DOWN_TAGGED", flag)
-                outs.append((ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds),
-                             *ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs,
-                                                              down_scale=ds)))
-            for a, b in zip(*outs):
-                assert torch.equal(a, b)
-            assert_close(outs[1][0], float64_experts(x, wgu, wd, tw, tid, gs, ds).to(xdtype), xdtype)
-    states = [buf for key, buf in kmod._TAGGED_STATE.items() if key[:2] == ("down", "cpu")]
-    assert states and all(bool((buf[:64] % (1 << 20) == 0).all()) for buf in states)   # generations, never reset
-    assert max(int(buf[:64].max()) for buf in states) > 0
-
-
 def test_t1_variant_switch(monkeypatch):
     from ember.kernels import moe as kmod
     monkeypatch.delenv("EMBER_MOE_T1", raising=False)
@@ -741,36 +707,6 @@ def test_add_rmsnorm_route_kernel_interpreter(interpreter, dtype, T, e, h, k):
         w64, ids64 = float64_route_hidden(normed, router, k)
         assert torch.equal(ids.long(), ids64)
         assert_close(w, w64.float())
-
-
-@pytest.mark.parametrize("add_norm", [False, True])
-@pytest.mark.parametrize("T,e,h,k", [(1, 8, 100, 2), (3, 16, 64, 4)])
-def test_tagged_router_equals_the_acq_rel_one_interpreter(interpreter, monkeypatch, add_norm, T, e, h, k):
-    """EMBER_ROUTER_TAGGED=1: logits as tagged words behind a relaxed generation counter route exactly
-    as the stored logits behind the acq_rel counter (same weights and ids, same normalised rows), call
-    after call (every call advances each token's counter by one generation), and against float64."""
-    from ember.kernels import moe as kmod
-    dtype = torch.bfloat16
-    router = (torch.randn(e, h) / h ** 0.5).to(dtype)
-    lnw = (1 + 0.1 * torch.randn(h)).to(dtype)
-    counters, _ = kmod._router_tagged_state(torch.device("cpu"), e)
-    start = counters[:T].clone()
-    for call in range(3):
-        x, res = torch.randn(T, h).to(dtype), torch.randn(T, h).to(dtype)
-        outs = []
-        for flag in ("0", "1"):
-            monkeypatch.setenv("EMBER_ROUTER_TAGGED", flag)
-            normed, new_res = poisoned((T, h), dtype, "cpu"), poisoned((T, h), dtype, "cpu")
-            extra = dict(add_norm=(res, lnw, 1e-6, normed, new_res)) if add_norm else {}
-            w, ids = kmod.route_hidden(x, router, k, True, **extra)
-            outs.append((w, ids, normed, new_res))
-        (w0, i0, n0, r0), (w1, i1, n1, r1) = outs
-        assert torch.equal(i0, i1) and torch.equal(w0, w1)
-        if add_norm:
-            assert torch.equal(n0, n1) and torch.equal(r0, r1)
-        w64, ids64 = float64_route_hidden(n1 if add_norm else x, router, k)
-        assert torch.equal(i1.long(), ids64)
-        assert bool((counters[:T] - start == (call + 1) * (1 << 20)).all())   # a generation per call, no reset
 
 
 @pytest.mark.parametrize("scoring,shared", [("softmax", False), ("sigmoid", False), ("softmax", True)])

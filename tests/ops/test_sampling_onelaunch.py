@@ -582,7 +582,7 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
 
 @pytest.mark.parametrize("top_k", [10, 50])   # 50 > the 20 pieces: no bound, the finisher's exact fallback
 def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, monkeypatch, top_k):
-    """EMBER_SAMPLE_OFFSET_BY_FINISHER=1 (one row, tagged top-k): the row's finisher reads the offset
+    """EMBER_SAMPLE_OFFSET_BY_FINISHER=1 (default; one row, tagged top-k): the finisher reads the offset
     tensor and advances it; the token is the two launches' for the same offset, which both advance
     once. (With the acquire scheme program (0, 0) advances it after the barrier; here, where the
     programs run in turn, the later ones then read the advanced value.)"""
@@ -600,12 +600,15 @@ def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, mo
     _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
 
 
+@pytest.mark.parametrize("packed", ["1", "0"])
 @pytest.mark.parametrize("top_k,top_p,min_p", [(10, 0.9, 0.0), (15, 1.0, 0.05)])
-def test_sample_topk_packed_race_equals_two_launches_interpreter(interpreter, monkeypatch, top_k, top_p, min_p):
-    """EMBER_SAMPLE_PACKED_RACE=1: the finisher's winner by one max over packed (key, column) words
-    draws the two launches' tokens (argmax, max and gather there), ties at the thresholds included."""
+def test_sample_topk_packed_race_equals_two_launches_interpreter(interpreter, monkeypatch, top_k, top_p, min_p,
+                                                                 packed):
+    """The finisher's winner by one max over packed (key, column) words (default), or with
+    EMBER_SAMPLE_PACKED_RACE=0 by an argmax, a max and a gather, draws the two launches' tokens
+    (argmax, max and gather there), ties at the thresholds included."""
     k = _k()
-    monkeypatch.setenv("EMBER_SAMPLE_PACKED_RACE", "1")
+    monkeypatch.setenv("EMBER_SAMPLE_PACKED_RACE", packed)
     x = torch.randn(2, 20000) * 3
     x[1, ::5] = x[1, ::5].round()                     # integer logits on every 5th column: ties
     for off in range(3):

@@ -1021,3 +1021,130 @@ def test_gpu_experts_add_scale_qwen3_shapes(cuda, monkeypatch, variant, T, wdtyp
     assert_close(h, eh)
     assert_close(scaled, es)
     assert torch.equal(scaled, (h.float() * lnw.float()).bfloat16())
+
+
+# ------------------------------------------------------------------ the whole decode MoE block
+def _block_inputs(wdtype, scale, T=1, h=100, i=48, k=4):
+    xdtype = torch.bfloat16 if wdtype == FP8 else wdtype
+    if wdtype == FP8:
+        wgu, gs, wd, ds = make_weights(FP8, h=h, i=i, scale=scale)
+    else:
+        wgu, wd, gs, ds = make_weights(wdtype, h=h, i=i)
+    x, res = torch.randn(T, h).to(xdtype), torch.randn(T, h).to(xdtype)
+    lnw, nlw = (torch.rand(h) + 0.5).to(xdtype), (torch.rand(h) + 0.5).to(xdtype)
+    router = (torch.randn(E, h) / h ** 0.5).to(xdtype)
+    return xdtype, (x, res, lnw, router, wgu, wd, k), dict(gate_up_scale=gs, down_scale=ds), nlw
+
+
+def _two_op_chain(x, res, lnw, router, wgu, wd, k, gate_up_scale, down_scale, next_norm_weight):
+    normed, new_res, w, ids = ember.ops.add_rmsnorm_route_hidden(x, res, lnw, router, k)
+    if next_norm_weight is not None:
+        return ember.ops.moe_experts_add_scale(normed, wgu, wd, w, ids, new_res, next_norm_weight,
+                                               gate_up_scale=gate_up_scale, down_scale=down_scale)
+    return ember.ops.moe_experts(normed, wgu, wd, w, ids, gate_up_scale=gate_up_scale, down_scale=down_scale), new_res
+
+
+@pytest.mark.parametrize("variant,split", [("v1", None), ("v2", "1"), ("v2", "4")])
+@pytest.mark.parametrize("wdtype,scale", [(torch.float32, None), (torch.bfloat16, None), (FP8, "row"),
+                                          (FP8, "block")])
+@pytest.mark.parametrize("fold", [False, True])
+def test_add_rmsnorm_route_experts_equals_the_two_op_chain_interpreter(interpreter, poisoned_buffers, monkeypatch,
+                                                                       variant, split, wdtype, scale, fold):
+    """One token: the router launch writing only the logits and both expert GEMVs routing from them
+    (every program the same top-k code on the same logits) give the bits of add_rmsnorm_route_hidden
+    followed by moe_experts / moe_experts_add_scale, and the float reference within rounding."""
+    monkeypatch.setenv("EMBER_MOE_T1", variant)
+    if split is not None:
+        monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
+    xdtype, args, scales, nlw = _block_inputs(wdtype, scale)
+    nxt = nlw if fold else None
+    got = ember.ops.add_rmsnorm_route_experts(*args, eps=1e-6, next_norm_weight=nxt, **scales)
+    want = _two_op_chain(*args, **scales, next_norm_weight=nxt)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref = moe_ops.add_rmsnorm_route_experts_reference(*args, 1e-6, True, scales["gate_up_scale"],
+                                                      scales["down_scale"], nxt)
+    assert_close(got[0], ref[0], xdtype)
+    assert_close(got[1], ref[1], xdtype)
+
+
+def test_add_rmsnorm_route_experts_ties_pick_the_lower_index_interpreter(interpreter, poisoned_buffers, monkeypatch):
+    """Every router row the same: all logits tie; both GEMVs must take the router's picks (the k
+    lowest indices)."""
+    monkeypatch.setenv("EMBER_MOE_T1", "v2")
+    monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", "2")
+    xdtype, (x, res, lnw, router, wgu, wd, k), scales, _ = _block_inputs(torch.float32, None)
+    router[1:] = router[0]
+    got = ember.ops.add_rmsnorm_route_experts(x, res, lnw, router, wgu, wd, k, **scales)
+    want = _two_op_chain(x, res, lnw, router, wgu, wd, k, **scales, next_norm_weight=None)
+    assert torch.equal(got[0], want[0])
+    assert set(ember.ops.add_rmsnorm_route_hidden(x, res, lnw, router, k)[3].flatten().tolist()) <= {0, 1, 2, 3}
+
+
+def test_add_rmsnorm_route_experts_more_tokens_take_the_two_ops(interpreter, poisoned_buffers):
+    """3 tokens: the same ops in turn (the grouped decode path), exactly."""
+    _, args, scales, nlw = _block_inputs(torch.float32, None, T=3)
+    for nxt in (None, nlw):
+        got = ember.ops.add_rmsnorm_route_experts(*args, next_norm_weight=nxt, **scales)
+        want = _two_op_chain(*args, **scales, next_norm_weight=nxt)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_add_rmsnorm_route_experts_reference_path_cpu():
+    """No Triton: the reference composition (float64-checked pieces), in both forms."""
+    _, args, scales, nlw = _block_inputs(torch.float32, None)
+    for nxt in (None, nlw):
+        got = ember.ops.add_rmsnorm_route_experts(*args, next_norm_weight=nxt, **scales)
+        ref = moe_ops.add_rmsnorm_route_experts_reference(*args, 1e-6, True, None, None, nxt)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def _block(**over):
+    _, (x, res, lnw, router, wgu, wd, k), _, _ = _block_inputs(torch.float32, None)
+    a = dict(x=x, residual=res, norm_weight=lnw, router_weight=router, w_gate_up=wgu, w_down=wd, top_k=k)
+    a.update(over)
+    return ember.ops.add_rmsnorm_route_experts(**a)
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: _block(w_gate_up=torch.randn(E + 1, 96, 100), w_down=torch.randn(E + 1, 100, 48)), ValueError,
+     "w_gate_up: expected 8 experts"),
+    (lambda: _block(x=torch.randn(17, 100), residual=torch.randn(17, 100)), ValueError,
+     "x: add_rmsnorm_route_experts takes 1 to 16 tokens"),
+    (lambda: _block(next_norm_weight=torch.ones(99)), ValueError, "next_norm_weight: expected length 100"),
+    (lambda: _block(next_norm_weight=torch.ones(100, device="meta")), ValueError, "next_norm_weight: expected device"),
+    (lambda: _block(top_k=9), ValueError, "top_k"),
+    (lambda: _block(residual=torch.randn(1, 99)), ValueError, "residual"),
+    (lambda: _block(router_weight=torch.randn(E, 99)), ValueError, "router_weight"),
+])
+def test_add_rmsnorm_route_experts_bad_input(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,wdtype", [("v1", torch.bfloat16), ("v2", torch.bfloat16), ("v2", "block"),
+                                            ("v2", "row")])
+@pytest.mark.parametrize("fold", [False, True])
+def test_gpu_add_rmsnorm_route_experts_qwen3_shapes_in_graph(cuda, monkeypatch, variant, wdtype, fold):
+    """Qwen3-30B-A3B shapes, captured in a CUDA graph with dependent launch, 40 replays on fresh
+    inputs: the bits of the two-op chain (add_rmsnorm_route_hidden, then the experts) each time."""
+    monkeypatch.setenv("EMBER_MOE_T1", variant)
+    if wdtype == torch.bfloat16:
+        wgu, wd, gs, ds = make_weights(wdtype, QE, QH, QI, device=cuda)
+    else:
+        wgu, gs, wd, ds = make_weights(FP8, QE, QH, QI, device=cuda, scale=wdtype)
+    router = (torch.randn(QE, QH, device=cuda) / QH ** 0.5).bfloat16()
+    lnw, nlw = [(torch.rand(QH, device=cuda) + 0.5).bfloat16() for _ in range(2)]
+    x, res = torch.zeros(1, QH, device=cuda, dtype=torch.bfloat16), torch.zeros(1, QH, device=cuda, dtype=torch.bfloat16)
+    args = (x, res, lnw, router, wgu, wd, QK)
+    kw = dict(gate_up_scale=gs, down_scale=ds, next_norm_weight=nlw if fold else None)
+    ember.ops.add_rmsnorm_route_experts(*args, **kw)  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ember.ops.add_rmsnorm_route_experts(*args, **kw)
+    for _ in range(40):
+        x.copy_(torch.randn(1, QH, device=cuda))
+        res.copy_(torch.randn(1, QH, device=cuda))
+        g.replay()
+        want = _two_op_chain(*args, **kw)
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])

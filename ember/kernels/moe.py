@@ -325,8 +325,8 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, logits_ptr, ids_ptr, tw_ptr, h
     nb = tl.program_id(1)
     t = pair // TOP_K
     j = pair % TOP_K
-    if FUSED_ROUTE:  # around L1 (VOLATILE): the logits come from the launch before, which ran beside this one
-        ws, ids = _topk_of_row(logits_ptr, t, stride_logits, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
+    if FUSED_ROUTE:
+        ws, ids = _topk_of_row(logits_ptr, t, stride_logits, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK)
         kk = tl.arange(0, BLOCK_KK)
         e = tl.sum(tl.where(kk == j, ids, 0), axis=0).to(tl.int64)
         if (nb == 0) & (j == 0):  # one program per token publishes the routing for the down kernel
@@ -398,10 +398,8 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
     row_mask = rows < H
     if not IDS_BEFORE:
         pdl_start(PDL)
-    # ids and weights around L1 (volatile): written by an earlier launch that, under dependent launch,
-    # ran beside this one (read through L1, the fused-route gate_up's ones came out stale on the H200)
-    e0 = tl.load(ids_ptr + first, volatile=True).to(tl.int64)
-    weight0 = tl.load(tw_ptr + first, volatile=True).to(tl.float32)
+    e0 = tl.load(ids_ptr + first, volatile=IDS_BEFORE).to(tl.int64)
+    weight0 = tl.load(tw_ptr + first, volatile=IDS_BEFORE).to(tl.float32)
     w0 = _down_tile(w_ptr + e0 * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
     r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD and FOLD_EARLY, IDS_BEFORE)
     if IDS_BEFORE:
@@ -416,8 +414,8 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
             weight = weight0
             w = w0
         else:
-            e = tl.load(ids_ptr + pair, volatile=not IDS_BEFORE).to(tl.int64)
-            weight = tl.load(tw_ptr + pair, volatile=not IDS_BEFORE).to(tl.float32)
+            e = tl.load(ids_ptr + pair).to(tl.int64)
+            weight = tl.load(tw_ptr + pair).to(tl.float32)
             w = _down_tile(w_ptr + e * stride_we, rows, row_mask, 0, stride_wn, stride_wk, I, BLOCK_K)
         w_base = w_ptr + e * stride_we
         row_s = rows.to(tl.float32)  # placeholder when there is no row scale

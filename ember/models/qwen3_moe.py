@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember import _dispatch
 from ember.models import _common
 
 # the module, not the lazily exported function ember.ops.moe
@@ -66,20 +65,6 @@ class SparseMoe(nn.Module):
                                       renormalize=self.renormalize)
 
 
-def _route_in_experts(moe: nn.Module) -> bool:
-    """``EMBER_MOE_ROUTE_IN_EXPERTS``: ``1`` routes a batch-1 MoE block inside its expert GEMVs
-    (``ember.ops.add_rmsnorm_route_experts``), ``v1`` only where the v1 T = 1 kernels run (2-byte
-    weights on the GPU), ``0`` never."""
-    env = os.environ.get("EMBER_MOE_ROUTE_IN_EXPERTS", "0")
-    if env not in ("0", "1", "v1"):
-        raise ValueError(f"EMBER_MOE_ROUTE_IN_EXPERTS: expected 0, 1 or v1, got {env!r}")
-    if env == "v1":
-        if not _dispatch.use_triton(moe.w_gate_up):
-            return False
-        return _dispatch.kernels("moe").t1_variant(moe.w_gate_up.device, fp8=moe.w_gate_up.element_size() == 1) == "v1"
-    return env == "1"
-
-
 def add_norm_route_experts(moe: nn.Module, a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                            eps: float, next_norm_weight: torch.Tensor | None = None,
                            **route) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -97,7 +82,7 @@ def add_norm_route_experts(moe: nn.Module, a: torch.Tensor, residual: torch.Tens
     if (x.shape[0] > moe_ops.DECODE_MAX_TOKENS or os.environ.get("EMBER_ROUTER_FUSED", "1") != "1"
             or os.environ.get("EMBER_NORM_ROUTE_FUSED", "1") != "1"):
         return None
-    if x.shape[0] == 1 and set(route) <= {"renormalize"} and _route_in_experts(moe):
+    if x.shape[0] == 1 and set(route) <= {"renormalize"} and os.environ.get("EMBER_MOE_ROUTE_IN_EXPERTS", "0") == "1":
         # plain softmax routing, one token: the expert GEMVs route from the router's logits
         out, second = moe_ops.add_rmsnorm_route_experts(
             x, residual.reshape(x.shape), norm_weight, moe.router, moe.w_gate_up, moe.w_down, moe.top_k, eps=eps,

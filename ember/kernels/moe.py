@@ -145,17 +145,6 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_row,
     tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kk < TOP_K)
 
 
-@triton.jit
-def _expert_of_pair(logits_ptr, t, j, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_KK: tl.constexpr):
-    """(expert id int64, routing weight) of pick j of token t's routing, from its E logits: the
-    router launch's own ``_topk_of_row`` (same code, same values, so every program that calls it
-    picks the same experts). Read around L1: the logits were written by an earlier launch."""
-    ws, ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
-    pick = tl.arange(0, BLOCK_KK) == j
-    return tl.sum(tl.where(pick, ids, 0), axis=0).to(tl.int64), tl.sum(tl.where(pick, ws, 0.0), axis=0)
-
-
 # ============================================================================ shared pieces
 @triton.jit
 def _sigmoid_topk_of_row(logits_ptr, row, E, bias_ptr, scaling, TOP_K: tl.constexpr, RENORM: tl.constexpr,
@@ -198,7 +187,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, ADD_NORM: tl.constexpr = False,
-                         PACKED: tl.constexpr = True, PDL: tl.constexpr = False, LOGITS_ONLY: tl.constexpr = False):
+                         PACKED: tl.constexpr = True, PDL: tl.constexpr = False):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
@@ -209,8 +198,6 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     ``add_rmsnorm``, saving its launch): every program computes the normalised row itself (the same
     code and layout everywhere, so the same values), multiplies its router rows with it, and program
     0 stores it and the new residual for the expert GEMVs and the next layer.
-    LOGITS_ONLY: the logits alone, no arrival and no routing (the expert GEMVs that follow route
-    from them themselves: ``add_norm_route_experts``).
     """
     t = tl.program_id(0)
     j = tl.program_id(1)
@@ -236,8 +223,6 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
         acc += w.to(tl.float32) * xv[None, :]
     logit = round_to(tl.sum(acc, axis=1), x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + t * E + rows, logit, mask=row_mask)
-    if LOGITS_ONLY:
-        return
     if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
         if SIGMOID:
             ws, ids = _sigmoid_topk_of_row(logits_ptr, t, E, bias_ptr, scaling, TOP_K, RENORM, HAS_BIAS,
@@ -530,19 +515,13 @@ def _gate_up_gemv_v2_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, stride_x,
                             stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                             H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                             BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
-                            PDL: tl.constexpr = False, logits_ptr=None, E=0, FUSED_ROUTE: tl.constexpr = False,
-                            RENORM: tl.constexpr = True, BLOCK_E: tl.constexpr = 1, BLOCK_KK: tl.constexpr = 1):
-    """h[pair, n] = silu(gate[e] . x[t]) * (up[e] . x[t]) for BLOCK_N rows n; K (= H) unrolled, one reduction.
-    FUSED_ROUTE: expert e is pick j of the token's softmax top-k, taken by every program from the
-    logits [T, E] the previous launch wrote (``_expert_of_pair``), not read from ``ids``."""
+                            PDL: tl.constexpr = False):
+    """h[pair, n] = silu(gate[e] . x[t]) * (up[e] . x[t]) for BLOCK_N rows n; K (= H) unrolled, one reduction."""
     pdl_start(PDL)
     pair = tl.program_id(0)
     nb = tl.program_id(1)
     t = pair // TOP_K
-    if FUSED_ROUTE:
-        e, _ = _expert_of_pair(logits_ptr, t, pair % TOP_K, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK)
-    else:
-        e = tl.load(ids_ptr + pair).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < I
     g_rows = (w_ptr + e * stride_we + rows.to(tl.int64) * stride_wn)[:, None]  # [BN, 1]
@@ -582,15 +561,11 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                          BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
                          FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True, SPLIT: tl.constexpr = 1,
-                         PDL: tl.constexpr = False, logits_ptr=None, E=0, FUSED_ROUTE: tl.constexpr = False,
-                         RENORM: tl.constexpr = True, BLOCK_E: tl.constexpr = 1, BLOCK_KK: tl.constexpr = 1):
+                         PDL: tl.constexpr = False):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
     FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait).
     SPLIT > 1: program (t, nb, g) sums experts g * TOP_K / SPLIT .. (g + 1) * TOP_K / SPLIT - 1 only
-    (_store_split_or_fold combines the groups).
-    FUSED_ROUTE: the ids and weights are the token's top-k of the logits [T, E], taken by every
-    program before its wait (the logits come from two launches back, finished by then:
-    _common.pdl_start), not read from ``ids`` / ``tw``."""
+    (_store_split_or_fold combines the groups)."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     g = tl.program_id(2)
@@ -598,8 +573,6 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
     r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD and FOLD_EARLY, True)
-    if FUSED_ROUTE:
-        route_ws, route_ids = _topk_of_row(logits_ptr, t, E, E, TOP_K, RENORM, BLOCK_E, BLOCK_KK, VOLATILE=True)
     pdl_start(PDL)
     if not FOLD_EARLY:
         r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, False)
@@ -609,12 +582,7 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
     acc = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
     for jj in tl.static_range(JPG):
         pair = t * TOP_K + g * JPG + jj
-        if FUSED_ROUTE:
-            pick = tl.arange(0, BLOCK_KK) == g * JPG + jj
-            e = tl.sum(tl.where(pick, route_ids, 0), axis=0).to(tl.int64)
-            factor = tl.sum(tl.where(pick, route_ws, 0.0), axis=0)
-        else:
-            e = tl.load(ids_ptr + pair).to(tl.int64)
+        e = tl.load(ids_ptr + pair).to(tl.int64)
         w_rows = (w_ptr + e * stride_we + rows.to(tl.int64) * stride_wn)[:, None]
         if SCALE == 2:
             acc_e = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
@@ -635,8 +603,7 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
         if SCALE != 2:
             acc_e = _v2_vec_sum(acc_e, BLOCK_N, LANES, VEC)
         # the routing weight (and a row scale) once per expert, on the [BLOCK_N, LANES] partial sums
-        if not FUSED_ROUTE:
-            factor = tl.load(tw_ptr + pair).to(tl.float32)
+        factor = tl.load(tw_ptr + pair).to(tl.float32)
         if SCALE == 1:
             acc += acc_e * (factor * _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn))[:, None]
         else:
@@ -877,17 +844,6 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
     # 4 router rows per program from 128 experts on (32 programs a token): H200 Qwen3-30B-A3B decode
     # step 2.365 vs 2.389 ms at batch 1, 7.64 vs 7.68 at batch 8 (step_tiles_b1/b8.json; 1 or 2 rows,
     # 2 or 8 warps were slower); fewer experts (LFM2's 32) keep 2 rows (not re-measured)
-    _launch_router(x, router, logits, w, ids, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate,
-                   add_norm)
-    return w, ids
-
-
-def _launch_router(x, router, logits, w, ids, top_k, renormalize, scoring="softmax", expert_bias=None, scaling=1.0,
-                   shared_expert_gate=False, add_norm=None, logits_only=False):
-    """``_router_route_kernel`` over x [T, H] (contiguous rows) into logits [T, E] and (unless
-    ``logits_only``) w, ids [T, top_k (+ 1 with the shared gate)]."""
-    T, H = x.shape
-    E = router.shape[0]
     block_r, warps = env_ints("EMBER_ROUTER_TILE", "BLOCK_R,num_warps") or ((4 if E >= 128 else 2), 4)
     block_h = min(4096 if x.device.type == "cuda" else 32, triton.next_power_of_2(H))
     n_prog = triton.cdiv(E, block_r)
@@ -898,39 +854,9 @@ def _launch_router(x, router, logits, w, ids, top_k, renormalize, scoring="softm
         E, H, x.stride(0), n_prog, res, lnw, normed, new_res, float(eps),
         TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(top_k + int(shared_expert_gate)),
-        ADD_NORM=add_norm is not None, PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0",
-        LOGITS_ONLY=logits_only, num_warps=warps, **pdl_options(x.device))
-
-
-def add_norm_route_experts(x, residual, norm_weight, router, w_gate_up, w_down, top_k, eps, renormalize,
-                           gate_up_scale, down_scale, next_norm_weight=None):
-    """One decode token's MoE block from the attention output (``ops.add_rmsnorm_route_experts``):
-    the router launch adds the residual, normalises and writes the logits only (no arrival, no
-    routing step); the two expert GEMVs then route from the logits themselves (FUSED_ROUTE: every
-    program takes the same top-k; the down GEMV before its dependent-launch wait). Returns
-    ``(out, new_residual)``, or with ``next_norm_weight`` ``(h, h * next_norm_weight)`` with
-    h = out + new_residual (the down GEMV's fold epilogue). x: [1, H], softmax routing."""
-    x = _rows_contiguous(x)
-    T, H = x.shape
-    E = router.shape[0]
-    normed, new_res = torch.empty_like(x), torch.empty_like(x)
-    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)   # v1: its gate_up publishes them for down
-    tw = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
-    _launch_router(x, router, logits, tw, ids, top_k, renormalize,
-                   add_norm=(residual.contiguous(), norm_weight.contiguous(), eps, normed, new_res), logits_only=True)
-    out = torch.empty_like(x)
-    fold = None
-    if next_norm_weight is not None:
-        fold = (new_res, next_norm_weight.contiguous(), torch.empty_like(x))
-    if t1_variant(x.device, fp8=w_gate_up.element_size() == 1) == "v2":
-        _experts_gemv_v2(normed, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, top_k, out, fold,
-                         logits=logits, renormalize=renormalize)
-    else:
-        _experts_gemv(normed, w_gate_up, w_down, gate_up_scale, down_scale, ids, tw, logits, top_k, renormalize,
-                      out, fold)
-    return (out, new_res) if fold is None else (out, fold[2])
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
+        PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", num_warps=warps, **pdl_options(x.device))
+    return w, ids
 
 
 def _align(topk_ids: torch.Tensor, E: int, block_m: int):
@@ -1116,20 +1042,16 @@ def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
                 num_warps=cfg["num_warps"], **{k: cfg[k] for k in ("SPLIT", "SPLIT_FP8") if k in cfg})
 
 
-def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=None, logits=None, renormalize=True):
-    """``logits`` (contiguous [T, E] float32) set: both GEMVs route from them (FUSED_ROUTE; ids, tw unused)."""
+def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=None):
     T, H = x.shape
     I = w_down.shape[2]
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
-    route = {} if logits is None else dict(
-        logits_ptr=logits, E=logits.shape[1], FUSED_ROUTE=True, RENORM=renormalize,
-        BLOCK_E=triton.next_power_of_2(logits.shape[1]), BLOCK_KK=triton.next_power_of_2(top_k))
     cfg = _t1_v2_config("gemv_v2_gate_up", w_gate_up, H)
     mode, gs_t, gse, gsn, gsk = _scale_args(w_gate_up, gs)
     _gate_up_gemv_v2_kernel[(T * top_k, triton.cdiv(I, cfg["BLOCK_N"]))](
         x, w_gate_up, gs_t, ids, h, x.stride(0), *w_gate_up.stride(), gse, gsn, gsk, H=H, I=I, TOP_K=top_k,
         SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"], BPS=cfg["BPS"],
-        num_warps=cfg["num_warps"], num_stages=1, **route, **pdl_options(x.device))
+        num_warps=cfg["num_warps"], num_stages=1, **pdl_options(x.device))
     cfg = _t1_v2_config("gemv_v2_down", w_down, I)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
@@ -1138,8 +1060,7 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     _down_gemv_v2_kernel[(T, nb, split)](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt,
         H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"],
-        BPS=cfg["BPS"], SPLIT=split, num_warps=cfg["num_warps"], num_stages=1, **fold_kw, **route,
-        **pdl_options(x.device))
+        BPS=cfg["BPS"], SPLIT=split, num_warps=cfg["num_warps"], num_stages=1, **fold_kw, **pdl_options(x.device))
     return out
 
 

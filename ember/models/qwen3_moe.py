@@ -82,12 +82,6 @@ def add_norm_route_experts(moe: nn.Module, a: torch.Tensor, residual: torch.Tens
     if (x.shape[0] > moe_ops.DECODE_MAX_TOKENS or os.environ.get("EMBER_ROUTER_FUSED", "1") != "1"
             or os.environ.get("EMBER_NORM_ROUTE_FUSED", "1") != "1"):
         return None
-    if x.shape[0] == 1 and set(route) <= {"renormalize"} and os.environ.get("EMBER_MOE_ROUTE_IN_EXPERTS", "0") == "1":
-        # plain softmax routing, one token: the expert GEMVs route from the router's logits
-        out, second = moe_ops.add_rmsnorm_route_experts(
-            x, residual.reshape(x.shape), norm_weight, moe.router, moe.w_gate_up, moe.w_down, moe.top_k, eps=eps,
-            gate_up_scale=moe.gate_up_scale, down_scale=moe.down_scale, next_norm_weight=next_norm_weight, **route)
-        return out.reshape(a.shape), second.reshape(a.shape)
     normed, new_res, w, ids = moe_ops.add_rmsnorm_route_hidden(x, residual.reshape(x.shape), norm_weight, moe.router,
                                                                moe.top_k, eps=eps, **route)
     scales = dict(gate_up_scale=moe.gate_up_scale, down_scale=moe.down_scale, check=False)  # ids: in range

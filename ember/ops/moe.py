@@ -307,33 +307,6 @@ def _moe_impl(x, router_logits, w_gate_up, w_down, top_k, renormalize, gate_up_s
                                         gate_up_scale, down_scale)
 
 
-def add_rmsnorm_route_experts_reference(x, residual, norm_weight, router_weight, w_gate_up, w_down, top_k: int,
-                                        eps: float = 1e-6, renormalize: bool = True, gate_up_scale=None,
-                                        down_scale=None, next_norm_weight=None):
-    """The spec of :func:`add_rmsnorm_route_experts`: ``add_rmsnorm_route_hidden``, then
-    ``moe_experts`` (or ``moe_experts_add_scale`` with ``next_norm_weight``) of its outputs."""
-    normed, new_residual, w, ids = add_rmsnorm_route_hidden_reference(x, residual, norm_weight, router_weight, top_k,
-                                                                      eps, renormalize)
-    if next_norm_weight is not None:
-        return moe_experts_add_scale_reference(normed, w_gate_up, w_down, w, ids, new_residual, next_norm_weight,
-                                               gate_up_scale, down_scale)
-    return moe_experts_reference(normed, w_gate_up, w_down, w, ids, gate_up_scale, down_scale), new_residual
-
-
-def _add_norm_route_experts_impl(x, residual, norm_weight, router_weight, w_gate_up, w_down, top_k, eps, renormalize,
-                                 gate_up_scale, down_scale, next_norm_weight):
-    kmod = _dispatch.kernels("moe") if _dispatch.use_triton(x) else None
-    if kmod is None or x.shape[0] != 1 or x.shape[1] > kmod.ADD_NORM_MAX_HIDDEN:  # the two ops
-        normed, new_residual, w, ids = _add_norm_route_impl(x, residual, norm_weight, router_weight, top_k, eps,
-                                                            renormalize)
-        if next_norm_weight is not None:
-            return _experts_add_scale_impl(normed, w_gate_up, w_down, w, ids, new_residual, next_norm_weight,
-                                           gate_up_scale, down_scale)
-        return _experts_impl(normed, w_gate_up, w_down, w, ids, gate_up_scale, down_scale), new_residual
-    return kmod.add_norm_route_experts(x, residual, norm_weight, router_weight, w_gate_up, w_down, top_k, eps,
-                                       renormalize, gate_up_scale, down_scale, next_norm_weight)
-
-
 # ----------------------------------------------------------------------------- registration
 # As in ember.ops.norm: the registered ops are what torch.compile traces; eager calls go straight to
 # the implementation (the custom-op wrapper costs host time per call).
@@ -406,23 +379,6 @@ def _moe_experts_add_scale_op(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
 
 @_moe_experts_add_scale_op.register_fake
 def _(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight, gate_up_scale, down_scale):
-    return torch.empty_like(x), torch.empty_like(x)
-
-
-@torch.library.custom_op("ember::add_rmsnorm_route_experts", mutates_args=())
-def _add_norm_route_experts_op(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                               router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
-                               eps: float, renormalize: bool, gate_up_scale: torch.Tensor | None,
-                               down_scale: torch.Tensor | None,
-                               next_norm_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    a, b = _add_norm_route_experts_impl(x, residual, norm_weight, router_weight, w_gate_up, w_down, top_k, eps,
-                                        renormalize, gate_up_scale, down_scale, next_norm_weight)
-    return a, b
-
-
-@_add_norm_route_experts_op.register_fake
-def _(x, residual, norm_weight, router_weight, w_gate_up, w_down, top_k, eps, renormalize, gate_up_scale, down_scale,
-      next_norm_weight):
     return torch.empty_like(x), torch.empty_like(x)
 
 
@@ -568,48 +524,6 @@ def moe_experts_add_scale(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
                                          gate_up_scale, down_scale)
     return _experts_add_scale_impl(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight,
                                    gate_up_scale, down_scale)
-
-
-def add_rmsnorm_route_experts(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                              router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
-                              *, eps: float = 1e-6, renormalize: bool = True,
-                              gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-                              next_norm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's whole MoE block (softmax routing) from the attention output ``x``.
-
-    ``add_rmsnorm_route_hidden(x, residual, norm_weight, router_weight, top_k)``, then the experts on
-    the normalised rows. Returns ``(out, new_residual)``; with ``next_norm_weight`` ``(h, scaled)``
-    as :func:`moe_experts_add_scale` (h = out + new_residual, scaled = h * next_norm_weight). ``x``,
-    ``residual``: ``[T, H]``, 1 <= T <= 16. On CUDA with one token: three launches, the router
-    writing only the logits and both expert GEMVs routing from them (no routing step between the
-    router and the experts); otherwise the ops above in turn.
-
-    Example:
-        >>> x, res = torch.randn(1, 64), torch.randn(1, 64)
-        >>> out, res = ember.ops.add_rmsnorm_route_experts(x, res, torch.ones(64), torch.randn(8, 64),
-        ...                                                torch.randn(8, 64, 64), torch.randn(8, 64, 32), 2)
-    """
-    top_k = _validate_route_hidden(x, router_weight, top_k, renormalize)
-    _checks.tensor("residual", residual)
-    eps = norm_ops._validate(x, residual, norm_weight, eps)
-    _validate_weights(x, w_gate_up, w_down, gate_up_scale, down_scale)
-    if w_gate_up.shape[0] != router_weight.shape[0]:
-        raise ValueError(f"w_gate_up: expected {router_weight.shape[0]} experts (router_weight.shape[0]), "
-                         f"got {w_gate_up.shape[0]}")
-    if not 1 <= x.shape[0] <= DECODE_MAX_TOKENS:
-        raise ValueError(f"x: add_rmsnorm_route_experts takes 1 to {DECODE_MAX_TOKENS} tokens (decode), "
-                         f"got {x.shape[0]}")
-    if next_norm_weight is not None:
-        _checks.tensor("next_norm_weight", next_norm_weight, ndim=1)
-        _checks.same_device(x=x, next_norm_weight=next_norm_weight)
-        if next_norm_weight.shape[0] != x.shape[1]:
-            raise ValueError(f"next_norm_weight: expected length {x.shape[1]} (x.shape[-1]), "
-                             f"got {next_norm_weight.shape[0]}")
-    args = (x, residual, norm_weight, router_weight, w_gate_up, w_down, top_k, float(eps), renormalize,
-            gate_up_scale, down_scale, next_norm_weight)
-    if _dispatch.compiling():
-        return _add_norm_route_experts_op(*args)
-    return _add_norm_route_experts_impl(*args)
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, *,

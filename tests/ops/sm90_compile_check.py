@@ -76,22 +76,7 @@ def _moe_fp8_decode(E: int = 8):
                           gate_up_scale=gs, down_scale=ds)
 
 
-def _moe_route_in_experts():
-    """The whole batch-1 MoE block with the routing in the expert GEMVs (router writing logits only,
-    v2 fp8 gate_up / split down routing from them) at Qwen3-30B-A3B widths, 128 experts."""
-    os.environ["EMBER_FORCE_TRITON"] = "1"
-    os.environ.setdefault("EMBER_MOE_T1", "v2")
-    from ember.kernels import moe as km
-    H, I, K, E = 2048, 768, 8, 128
-    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
-    x, res, lnw = torch.randn(1, H, dtype=bf16), torch.randn(1, H, dtype=bf16), torch.ones(H, dtype=bf16)
-    wgu, wd = torch.zeros(E, 2 * I, H, dtype=fp8), torch.zeros(E, H, I, dtype=fp8)
-    gs, ds = torch.ones(E, 2 * I // 128, H // 128), torch.ones(E, H // 128, I // 128)
-    km.add_norm_route_experts(x, res, lnw, torch.randn(E, H, dtype=bf16), wgu, wd, K, 1e-6, True, gs, ds, lnw)
-
-
-CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode,
-         "moe_route_in_experts": _moe_route_in_experts}
+CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode}
 
 
 def main(names: list[str]) -> int:

@@ -5,11 +5,12 @@ candidates as tagged int64 words behind relaxed atomics; ``EMBER_SAMPLE_TAGGED=0
 ``_topk_sample`` (stores, acq_rel arrival, a reservation atomic before the candidates' stores and
 an acq_rel arrival after them). This times both, alternating REPEATS times, and checks that they
 draw the same tokens for the same seed and offset. With an offset tensor (what ``ember.ops.sample``
-passes) every program of the tagged path reads it with ``ld.acquire`` and program (0, 0) advances it;
-``EMBER_SAMPLE_OFFSET_BY_FINISHER=1`` (one row) lets the row's finisher read and advance it instead;
-``EMBER_SAMPLE_PACKED_RACE=1`` has the finisher pick the winner with one packed max.
-bench/results/h200/sample_tagged_probe.json was measured with the int offset variants only (and
-since-removed ones: raw/README.md); the offset-tensor variants are for the next run.
+passes) the row's finisher reads it and advances it (one row; ``EMBER_SAMPLE_OFFSET_BY_FINISHER=0``:
+every program reads it with ``ld.acquire`` and program (0, 0) advances it), and the finisher picks
+the winner with one packed max (``EMBER_SAMPLE_PACKED_RACE=0``: an argmax, a max and a gather); the
+variants below set both switches explicitly. bench/results/h200/sample_tagged_probe.json holds the
+int-offset runs (and since-removed variants: raw/README.md), sample_tagged_probe_offset.json the
+offset-tensor run that made both switches the defaults.
 
     python bench/sample_tagged_probe.py OUT_JSON [VARIANT,VARIANT,... [MIX,MIX,...]]
     (each kernel variant compiles once, ~20 s: a subset keeps one call short; the first named
@@ -34,10 +35,12 @@ MIXES = {"1x_t0.7_k50_p0.9": (1, 0.7, 50, 0.9, 0.0), "1x_t1.0_k1": (1, 1.0, 1, 1
 # label -> (environment, offset as an int or as a one-element tensor, as ember.ops.sample and the
 # engine pass it); tokens compared with the first
 VARIANTS = {"tagged": ({}, "int"), "acq_rel": ({"EMBER_SAMPLE_TAGGED": "0"}, "int"),
-            "tagged_offset_tensor": ({}, "tensor"),
-            "tagged_offset_by_finisher": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "1"}, "tensor"),
+            "tagged_offset_tensor": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "0", "EMBER_SAMPLE_PACKED_RACE": "0"},
+                                     "tensor"),
+            "tagged_offset_by_finisher": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "1", "EMBER_SAMPLE_PACKED_RACE": "0"},
+                                          "tensor"),
             "tagged_offset_by_finisher_packed_race": ({"EMBER_SAMPLE_OFFSET_BY_FINISHER": "1",
-                                                       "EMBER_SAMPLE_PACKED_RACE": "1"}, "tensor"),
+                                                       "EMBER_SAMPLE_PACKED_RACE": "1"}, "tensor"),  # the default
             "acq_rel_offset_tensor": ({"EMBER_SAMPLE_TAGGED": "0"}, "tensor")}
 
 

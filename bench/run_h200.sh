@@ -18,7 +18,8 @@
 #   python bench/many_rows_sample_probe.py $OUT/many_rows_sample_probe.json  # 32-256 rows: waves vs two launches
 #   python bench/sampler_ab_probe.py before_sampling.py $OUT/sampler_ab_probe.json  # 1 row: vs an earlier module
 #   python bench/sample_warps_probe.py $OUT/sample_warps_probe.json 4,2,8  # 1 row: warps per sampler program
-#   python bench/sample_tagged_probe.py $OUT/sample_tagged_probe.json  # 1-4 rows top-k: tagged words vs acq_rel, offset variants
+#   python bench/sample_tagged_probe.py $OUT/sample_tagged_probe.json [VARIANTS [MIXES]]  # 1-4 rows top-k: tagged words vs acq_rel, offset variants
+#   python bench/sampling_tagged_stages_probe.py $OUT/sampling_tagged_stages.json  # 1 row top-k: per-stage timestamps of the tagged path
 #   python bench/softmax_evict_probe.py $OUT/softmax_evict_probe.json  # many-row softmax: cache hints x L2 prefetch depth
 # Results land in $OUT (or ./out): <suite>.json, gpu_tests.txt, doctor.txt; copy them to bench/results/h200/.
 set -u

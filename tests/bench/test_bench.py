@@ -89,3 +89,22 @@ def test_moe_hybrid_floor_counts_the_folded_shared_expert(monkeypatch):
     assert not any(isinstance(m, qwen3_5_moe.FoldedSharedMoe) for m in nets["0"].modules())
     folded, unfolded = (moe_hybrid.decode_bytes(nets[f]) for f in ("1", "0"))
     assert folded == pytest.approx(unfolded, rel=1e-6)
+
+
+def test_tagged_stages_probe_patches_still_match_the_kernel():
+    """bench/sampling_tagged_stages_probe.py stamps the tagged sampler through text patches of
+    ember/kernels/sampling.py: each must still match exactly once, and the result must parse."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from ember import _dispatch
+    if not _dispatch.triton_available():
+        pytest.skip(f"triton not importable: {_dispatch.triton_import_error()}")
+    path = Path(__file__).parents[2] / "bench" / "sampling_tagged_stages_probe.py"
+    spec = importlib.util.spec_from_file_location("sampling_tagged_stages_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    src = probe.stamped_source()
+    ast.parse(src)
+    assert sorted({int(s.split(",")[1]) for s in src.split("_stamp(stamp_ptr")[1:]}) == list(range(probe.N_STAGES))

@@ -561,11 +561,16 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
                          BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr,
                          FOLD: tl.constexpr = False, FOLD_EARLY: tl.constexpr = True, SPLIT: tl.constexpr = 1,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, JPG_P2: tl.constexpr = 1):
     """out[t, n] = sum_j w[t, j] * down[e_j][n] . h[(t, j)] for BLOCK_N rows n; experts and K unrolled.
     FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait).
     SPLIT > 1: program (t, nb, g) sums experts g * TOP_K / SPLIT .. (g + 1) * TOP_K / SPLIT - 1 only
-    (_store_split_or_fold combines the groups)."""
+    (_store_split_or_fold combines the groups).
+    PREFETCH (``EMBER_MOE_V2_DOWN_PREFETCH``, off by default until timed): 1 loads the program's expert
+    ids and routing weights before waiting for gate_up (they come from the router, two launches back,
+    finished by then: _common.pdl_start; around L1), so the first weight loads after the wait do not
+    wait on an id load; 2 also loads the first expert's first weight tile before the wait (as the v1
+    down GEMV does). The same products in the same order: the same bits."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     g = tl.program_id(2)
@@ -573,6 +578,16 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
     r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD and FOLD_EARLY, True)
+    if PREFETCH >= 1:
+        jv = tl.arange(0, JPG_P2)
+        mine = t * TOP_K + g * JPG + jv
+        pre_e = tl.load(ids_ptr + mine, mask=jv < JPG, other=0, volatile=True).to(tl.int64)
+        pre_f = tl.load(tw_ptr + mine, mask=jv < JPG, other=0.0, volatile=True).to(tl.float32)
+        if PREFETCH >= 2:
+            e_first = tl.sum(tl.where(jv == 0, pre_e, 0), axis=0)
+            ks_first = _v2_k_offsets(LANES, VEC, BPS)
+            w_first = tl.load((w_ptr + e_first * stride_we + rows.to(tl.int64) * stride_wn)[:, None]
+                              + ks_first * stride_wk, mask=row_mask[:, None] & (ks_first < I), other=0.0)
     pdl_start(PDL)
     if not FOLD_EARLY:
         r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, False)
@@ -582,7 +597,10 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
     acc = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
     for jj in tl.static_range(JPG):
         pair = t * TOP_K + g * JPG + jj
-        e = tl.load(ids_ptr + pair).to(tl.int64)
+        if PREFETCH >= 1:
+            e = tl.sum(tl.where(jv == jj, pre_e, 0), axis=0)
+        else:
+            e = tl.load(ids_ptr + pair).to(tl.int64)
         w_rows = (w_ptr + e * stride_we + rows.to(tl.int64) * stride_wn)[:, None]
         if SCALE == 2:
             acc_e = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
@@ -593,7 +611,10 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
             mask_k = ks < I
             hv = tl.load(tl.broadcast_to(h_ptr + pair * I + ks, shape), mask=tl.broadcast_to(mask_k, shape),
                          other=0.0).to(tl.float32)
-            w = tl.load(w_rows + ks * stride_wk, mask=mask_rows & mask_k, other=0.0).to(tl.float32)
+            if PREFETCH >= 2 and jj == 0 and k0 == 0:
+                w = w_first.to(tl.float32)
+            else:
+                w = tl.load(w_rows + ks * stride_wk, mask=mask_rows & mask_k, other=0.0).to(tl.float32)
             if SCALE == 2:
                 s = _v2_block_scales(scale_ptr, e, rows, row_mask, k0, I, stride_se, stride_sn, stride_sk,
                                      LANES, VEC, BPS)
@@ -603,7 +624,10 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
         if SCALE != 2:
             acc_e = _v2_vec_sum(acc_e, BLOCK_N, LANES, VEC)
         # the routing weight (and a row scale) once per expert, on the [BLOCK_N, LANES] partial sums
-        factor = tl.load(tw_ptr + pair).to(tl.float32)
+        if PREFETCH >= 1:
+            factor = tl.sum(tl.where(jv == jj, pre_f, 0.0), axis=0)
+        else:
+            factor = tl.load(tw_ptr + pair).to(tl.float32)
         if SCALE == 1:
             acc += acc_e * (factor * _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn))[:, None]
         else:
@@ -1042,6 +1066,16 @@ def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
                 num_warps=cfg["num_warps"], **{k: cfg[k] for k in ("SPLIT", "SPLIT_FP8") if k in cfg})
 
 
+def _v2_down_prefetch() -> int:
+    """``EMBER_MOE_V2_DOWN_PREFETCH``: what the v2 down GEMV loads before its dependent-launch wait
+    (0 nothing, the default; 1 its ids and routing weights; 2 those and its first weight tile).
+    Read per call (so also while a graph is captured)."""
+    env = os.environ.get("EMBER_MOE_V2_DOWN_PREFETCH", "0")
+    if env not in ("0", "1", "2"):
+        raise ValueError(f"EMBER_MOE_V2_DOWN_PREFETCH: expected 0, 1 or 2, got {env!r}")
+    return int(env)
+
+
 def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=None):
     T, H = x.shape
     I = w_down.shape[2]
@@ -1060,7 +1094,8 @@ def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=Non
     _down_gemv_v2_kernel[(T, nb, split)](
         h, w_down, ds_t, ids, tw, out, out.stride(0), *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt,
         H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=cfg["BLOCK_N"], LANES=cfg["LANES"], VEC=cfg["VEC"],
-        BPS=cfg["BPS"], SPLIT=split, num_warps=cfg["num_warps"], num_stages=1, **fold_kw, **pdl_options(x.device))
+        BPS=cfg["BPS"], SPLIT=split, num_warps=cfg["num_warps"], num_stages=1, **fold_kw,
+        PREFETCH=_v2_down_prefetch(), JPG_P2=triton.next_power_of_2(top_k // split), **pdl_options(x.device))
     return out
 
 

@@ -76,7 +76,15 @@ def _moe_fp8_decode(E: int = 8):
                           gate_up_scale=gs, down_scale=ds)
 
 
-CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode}
+def _moe_v2_down_prefetch():
+    """The opt-in v2 down GEMV with its ids, routing weights and first tile loaded before the wait."""
+    os.environ["EMBER_MOE_V2_DOWN_PREFETCH"] = "2"
+    os.environ.setdefault("EMBER_MOE_DOWN_SPLIT", "4")
+    _moe_fp8_decode()
+
+
+CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode,
+         "moe_v2_down_prefetch": _moe_v2_down_prefetch}
 
 
 def main(names: list[str]) -> int:

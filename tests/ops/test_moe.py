@@ -509,6 +509,37 @@ def test_t1_down_split_interpreter(interpreter, poisoned_buffers, monkeypatch, v
         ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)
 
 
+@pytest.mark.parametrize("wdtype,scale", [(torch.float32, None), (torch.bfloat16, None), (FP8, "row"),
+                                          (FP8, "block")])
+@pytest.mark.parametrize("split", ["1", "2", "4"])
+def test_t1_v2_down_prefetch_same_bits_interpreter(interpreter, poisoned_buffers, t1_v2, monkeypatch, wdtype, scale,
+                                                   split):
+    """EMBER_MOE_V2_DOWN_PREFETCH 1 (ids and routing weights before the wait) and 2 (also the first
+    weight tile): the same products in the same order as 0, so the same bits, plain and with the
+    add_scale epilogue; a token listing one expert twice included."""
+    monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
+    xdtype = torch.bfloat16 if wdtype == FP8 else wdtype
+    if wdtype == FP8:
+        wgu, gs, wd, ds = make_weights(FP8, h=100, i=48, scale=scale)
+    else:
+        wgu, wd, gs, ds = make_weights(wdtype, h=100, i=48)
+    x, res = torch.randn(1, 100).to(xdtype), torch.randn(1, 100).to(xdtype)
+    lnw = (torch.rand(100) + 0.5).to(xdtype)
+    tw, tid = moe_ops.moe_route_reference(torch.randn(1, E), 4)
+    tid[0, 3] = tid[0, 1]
+    got = {}
+    for mode in ("0", "1", "2"):
+        monkeypatch.setenv("EMBER_MOE_V2_DOWN_PREFETCH", mode)
+        got[mode] = (ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds),
+                     *ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs, down_scale=ds))
+    for mode in ("1", "2"):
+        assert all(torch.equal(a, b) for a, b in zip(got[mode], got["0"])), mode
+    assert_close(got["0"][0], float64_experts(x, wgu, wd, tw, tid, gs, ds).to(xdtype), xdtype)
+    monkeypatch.setenv("EMBER_MOE_V2_DOWN_PREFETCH", "3")
+    with pytest.raises(ValueError, match="EMBER_MOE_V2_DOWN_PREFETCH: expected 0, 1 or 2, got '3'"):
+        ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)
+
+
 def test_t1_variant_switch(monkeypatch):
     from ember.kernels import moe as kmod
     monkeypatch.delenv("EMBER_MOE_T1", raising=False)

@@ -1962,7 +1962,7 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         SMALL_SORT=min(small_sort(), cap), RESERVE_SEM=RESERVE_SEM, NB=NUCLEUS_PIVOTS, ROUNDS=NUCLEUS_ROUNDS,
         LD_POLL=dev.type == "cuda", FREE=free, TAGGED=tagged, slots=grid_slots,
         # H200 [1, 128256] k50 + p0.9, offset tensor, same run: 6.92 us (every program acquires the
-        # offset) -> 6.79 (the finisher's) -> 6.54 (and the packed race); sample_tagged_probe.json
+        # offset) -> 6.79 (the finisher's) -> 6.54 (and the packed race); sample_tagged_probe_offset.json
         OFF_BY_FINISHER=tagged and B == 1 and os.environ.get("EMBER_SAMPLE_OFFSET_BY_FINISHER", "1") == "1",
         PACKED_RACE=tagged and os.environ.get("EMBER_SAMPLE_PACKED_RACE", "1") == "1",
         num_warps=_sample_warps(base, sub, topk_on), **pdl_options(dev))

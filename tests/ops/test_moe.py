@@ -63,6 +63,20 @@ def make_weights(dtype, e=E, h=H, i=I, device="cpu", scale=None):
     return quantize(wgu, scale) + quantize(wd, scale)
 
 
+def _one_token_inputs(wdtype, scale, k, h=100, i=48):
+    """A T = 1 decode step's MoE inputs at ragged sizes: (x dtype, w_gate_up, w_down, their scales,
+    x, residual, a norm weight, top-k weights and ids); fp8 weights take bf16 activations."""
+    xdtype = torch.bfloat16 if wdtype == FP8 else wdtype
+    if wdtype == FP8:
+        wgu, gs, wd, ds = make_weights(FP8, h=h, i=i, scale=scale)
+    else:
+        wgu, wd, gs, ds = make_weights(wdtype, h=h, i=i)
+    x, res = torch.randn(1, h).to(xdtype), torch.randn(1, h).to(xdtype)
+    lnw = (torch.rand(h) + 0.5).to(xdtype)
+    tw, tid = moe_ops.moe_route_reference(torch.randn(1, E), k)
+    return xdtype, wgu, wd, gs, ds, x, res, lnw, tw, tid
+
+
 def quantize(w, layout):
     """fp8 weights and their decode scale, per row or per 128x128 block (amax / 448)."""
     E_, N, Kd = w.shape
@@ -518,14 +532,7 @@ def test_t1_v2_down_prefetch_same_bits_interpreter(interpreter, poisoned_buffers
     weight tile): the same products in the same order as 0, so the same bits, plain and with the
     add_scale epilogue; a token listing one expert twice included."""
     monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
-    xdtype = torch.bfloat16 if wdtype == FP8 else wdtype
-    if wdtype == FP8:
-        wgu, gs, wd, ds = make_weights(FP8, h=100, i=48, scale=scale)
-    else:
-        wgu, wd, gs, ds = make_weights(wdtype, h=100, i=48)
-    x, res = torch.randn(1, 100).to(xdtype), torch.randn(1, 100).to(xdtype)
-    lnw = (torch.rand(100) + 0.5).to(xdtype)
-    tw, tid = moe_ops.moe_route_reference(torch.randn(1, E), 4)
+    xdtype, wgu, wd, gs, ds, x, res, lnw, tw, tid = _one_token_inputs(wdtype, scale, 4)
     tid[0, 3] = tid[0, 1]
     got = {}
     for mode in ("0", "1", "2"):
@@ -959,14 +966,7 @@ def test_experts_add_scale_reference_matches_float64(dtype):
                                           (FP8, "block")])
 def test_experts_add_scale_kernels_interpreter(interpreter, poisoned_buffers, monkeypatch, variant, wdtype, scale):
     monkeypatch.setenv("EMBER_MOE_T1", variant)
-    xdtype = torch.bfloat16 if wdtype == FP8 else wdtype
-    if wdtype == FP8:
-        wgu, gs, wd, ds = make_weights(FP8, h=100, i=48, scale=scale)
-    else:
-        wgu, wd, gs, ds = make_weights(wdtype, h=100, i=48)
-    x, res = torch.randn(1, 100).to(xdtype), torch.randn(1, 100).to(xdtype)
-    lnw = (torch.rand(100) + 0.5).to(xdtype)
-    tw, tid = moe_ops.moe_route_reference(torch.randn(1, E), K)
+    xdtype, wgu, wd, gs, ds, x, res, lnw, tw, tid = _one_token_inputs(wdtype, scale, K)
     h, scaled = ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs, down_scale=ds)
     eh, es = moe_ops.moe_experts_add_scale_reference(x, wgu, wd, tw, tid, res, lnw, gs, ds)
     assert_close(h, eh, xdtype)

@@ -36,15 +36,15 @@ _COUNTERS: dict = {}
 _RETIRED: list = []
 
 
-def arrival_counters(purpose: str, device: torch.device, n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """A zeroed buffer of at least ``n`` counters (int32, or ``dtype``) for ``purpose`` on the current stream."""
+def arrival_counters(purpose: str, device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` counters for ``purpose`` on the current stream."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (purpose, str(device), stream, dtype)
+    key = (purpose, str(device), stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if buf is not None:  # a captured graph may still use it: never free it
             _RETIRED.append(buf)
-        buf = _COUNTERS[key] = torch.zeros(max(n, 64), dtype=dtype, device=device)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
     return buf
 
 

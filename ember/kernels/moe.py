@@ -419,7 +419,7 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr,
                 acc = _down_slice(acc, w, h_ptr, pair, weight, rows, row_mask, row_s, k0, scale_ptr, e, stride_se,
                                   stride_sn, stride_sk, I, SCALE, BLOCK_K)
     _store_split_or_fold(tl.sum(acc, axis=1), part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r,
-                         lw, scaled_ptr, H, FOLD, SPLIT, 0)
+                         lw, scaled_ptr, H, FOLD, SPLIT)
 
 
 @triton.jit
@@ -454,21 +454,17 @@ def _store_out_or_fold(out, out_ptr, t, stride_out, rows, row_mask, r, lw, scale
 
 @triton.jit
 def _store_split_or_fold(y, part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H,
-                         FOLD: tl.constexpr, SPLIT: tl.constexpr, N_BLOCKS: tl.constexpr):
+                         FOLD: tl.constexpr, SPLIT: tl.constexpr):
     """The down GEMVs' end: ``y`` is this program's fp32 row sums (experts of group g of SPLIT).
     SPLIT == 1: _store_out_or_fold. Else: store y in part_ptr[t, g], arrive at counter (t, nb); the
     last of the SPLIT to arrive adds the partials in group order (the same bits whichever arrives
-    last), stores the output (or the FOLD epilogue) and resets the counter. N_BLOCKS: row blocks
-    per token (0: the grid's axis 1)."""
+    last), stores the output (or the FOLD epilogue) and resets the counter."""
     if SPLIT == 1:
         _store_out_or_fold(y, out_ptr, t, stride_out, rows, row_mask, r, lw, scaled_ptr, H, FOLD)
     else:
         tl.store(part_ptr + (t * SPLIT + g) * H + rows, y, mask=row_mask)
         tl.debug_barrier()  # every thread's partial stores precede the release below
-        if N_BLOCKS == 0:
-            slot = cnt_ptr + t * tl.num_programs(1) + nb
-        else:
-            slot = cnt_ptr + t * N_BLOCKS + nb
+        slot = cnt_ptr + t * tl.num_programs(1) + nb
         if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
             total = tl.zeros_like(y)
             for gg in tl.static_range(SPLIT):  # group order, own partial included: arrival order never matters
@@ -522,17 +518,8 @@ def _gate_up_gemv_v2_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, stride_x,
                             PDL: tl.constexpr = False):
     """h[pair, n] = silu(gate[e] . x[t]) * (up[e] . x[t]) for BLOCK_N rows n; K (= H) unrolled, one reduction."""
     pdl_start(PDL)
-    _gate_up_v2_rows(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, tl.program_id(0), tl.program_id(1), stride_x,
-                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, H, I, TOP_K, SCALE,
-                     BLOCK_N, LANES, VEC, BPS)
-
-
-@triton.jit
-def _gate_up_v2_rows(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, pair, nb, stride_x,
-                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr):
-    """The v2 gate_up GEMV's work for row block ``nb`` of ``pair`` (after the dependent-launch wait)."""
+    pair = tl.program_id(0)
+    nb = tl.program_id(1)
     t = pair // TOP_K
     e = tl.load(ids_ptr + pair).to(tl.int64)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -601,31 +588,9 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
             ks_first = _v2_k_offsets(LANES, VEC, BPS)
             w_first = tl.load((w_ptr + e_first * stride_we + rows.to(tl.int64) * stride_wn)[:, None]
                               + ks_first * stride_wk, mask=row_mask[:, None] & (ks_first < I), other=0.0)
-    else:
-        jv, pre_e, pre_f = rows, rows, rows  # unused
-    if PREFETCH < 2:
-        w_first = rows  # unused
     pdl_start(PDL)
     if not FOLD_EARLY:
         r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, False)
-    y = _down_v2_sum(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, t, g, rows, row_mask, jv, pre_e, pre_f, w_first,
-                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, I, TOP_K, SCALE,
-                     BLOCK_N, LANES, VEC, BPS, SPLIT, PREFETCH, "")
-    _store_split_or_fold(y, part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r,
-                         lw, scaled_ptr, H, FOLD, SPLIT, 0)
-
-
-@triton.jit
-def _down_v2_sum(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, t, g, rows, row_mask, jv, pre_e, pre_f, w_first,
-                 stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                 I: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 LANES: tl.constexpr, VEC: tl.constexpr, BPS: tl.constexpr, SPLIT: tl.constexpr,
-                 PREFETCH: tl.constexpr, H_CACHE: tl.constexpr):
-    """The v2 down GEMV's fp32 row sums over experts of group ``g`` for token ``t`` (after every wait).
-    PREFETCH >= 1: ids ``pre_e`` and routing weights ``pre_f`` (indexed by ``jv``) are already
-    loaded; 2: so is ``w_first``, the first expert's first weight tile. H_CACHE: the cache modifier
-    of the h loads (".cg" where h was written in the same launch: L1 is not coherent)."""
-    JPG: tl.constexpr = TOP_K // SPLIT
     mask_rows = row_mask[:, None]
     kk = _v2_k_offsets(LANES, VEC, BPS)
     shape: tl.constexpr = (BLOCK_N, LANES * VEC)
@@ -645,7 +610,7 @@ def _down_v2_sum(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, t, g, rows, row_mask,
             ks = k0 + kk
             mask_k = ks < I
             hv = tl.load(tl.broadcast_to(h_ptr + pair * I + ks, shape), mask=tl.broadcast_to(mask_k, shape),
-                         other=0.0, cache_modifier=H_CACHE).to(tl.float32)
+                         other=0.0).to(tl.float32)
             if PREFETCH >= 2 and jj == 0 and k0 == 0:
                 w = w_first.to(tl.float32)
             else:
@@ -667,121 +632,8 @@ def _down_v2_sum(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, t, g, rows, row_mask,
             acc += acc_e * (factor * _row_scale(scale_ptr, e, rows, row_mask, stride_se, stride_sn))[:, None]
         else:
             acc += acc_e * factor
-    return tl.sum(acc, axis=1)
-
-
-# ---------------------------------------------------------------------------- T == 1: one launch
-# gate_up and down in one launch (``EMBER_MOE_T1_FUSED=1``, off until timed in the decode step):
-# between the two GEMVs there is no kernel boundary, only a count per (token, expert) pair. Each
-# program takes a ticket (a relaxed atomic on an int64 counter that only grows) and serves the
-# item of that number: work is handed out in ticket order, gate_up items of expert group s before
-# the down items of group s - LAG, so a down item only waits for items whose tickets were taken
-# earlier, by programs that are running: no deadlock, however many programs fit on the GPU (and
-# in the interpreter, which runs programs one after another, every wait is already met).
-# A gate_up item stores its h rows and adds 1 to its pair's count (release); a down item waits
-# (acquire) until the counts of its group's pairs reach (launch + 1) * NB_GU, with the launch
-# number ticket // items: counts and tickets are never reset, so one workspace per item layout.
-_SYNC_FLAGS = 16  # the pair counts start one 128-byte line after the ticket counter
-ONE_LAUNCH_SPIN_CAP = 1 << 22  # polls (~seconds): a wait that never ends is a bug, counted, not a hang
-
-
-@triton.jit
-def _ld_acquire_i64(ptr, LD_POLL: tl.constexpr):
-    """An acquire read of an int64 counter: ``ld.acquire.gpu`` on the GPU, an atomic add of 0 in
-    the interpreter (which has no inline PTX)."""
-    if LD_POLL:
-        v = tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
-                                      is_pure=False, pack=1)
-    else:
-        v = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    return v
-
-
-@triton.jit
-def _experts_v2_one_launch_kernel(
-        x_ptr, wgu_ptr, gs_ptr, wd_ptr, ds_ptr, ids_ptr, tw_ptr, h_ptr, out_ptr, stride_x, stride_out,
-        stride_gwe, stride_gwn, stride_gwk, stride_gse, stride_gsn, stride_gsk,
-        stride_dwe, stride_dwn, stride_dwk, stride_dse, stride_dsn, stride_dsk,
-        res_ptr, lnw_ptr, scaled_ptr, part_ptr, cnt_ptr, sync_ptr, spin_cap,
-        H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, GU_SCALE: tl.constexpr, DN_SCALE: tl.constexpr,
-        GU_BLOCK_N: tl.constexpr, GU_LANES: tl.constexpr, GU_BPS: tl.constexpr,
-        DN_BLOCK_N: tl.constexpr, DN_LANES: tl.constexpr, DN_BPS: tl.constexpr, VEC: tl.constexpr,
-        SPLIT: tl.constexpr, LAG: tl.constexpr, JPG_P2: tl.constexpr, FOLD: tl.constexpr = False,
-        FLAGS_AT: tl.constexpr = 16, PREFETCH: tl.constexpr = 1, LD_POLL: tl.constexpr = False,
-        PDL: tl.constexpr = False):
-    """The v2 gate_up and down GEMVs of T tokens in one launch of T * ITEMS programs (see above);
-    ``sync_ptr``: [ticket counter, give-ups, ..., pair counts from FLAGS_AT on]."""
-    JPG: tl.constexpr = TOP_K // SPLIT
-    NB_GU: tl.constexpr = (I + GU_BLOCK_N - 1) // GU_BLOCK_N
-    NB_DN: tl.constexpr = (H + DN_BLOCK_N - 1) // DN_BLOCK_N
-    GU_G: tl.constexpr = JPG * NB_GU  # gate_up items of one expert group
-    ITEMS: tl.constexpr = SPLIT * (GU_G + NB_DN)  # items of one token
-    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-    n_items = tl.num_programs(0)
-    launch = ticket // n_items
-    i = ticket % n_items
-    t = i // ITEMS
-    i = i % ITEMS
-    # stage s: the gate_up items of group s (s < SPLIT), then the down items of group s - LAG (s >= LAG)
-    is_gu = i < 0
-    grp = i * 0
-    idx = i * 0
-    off = 0
-    for s in tl.static_range(SPLIT + LAG):
-        if s < SPLIT:
-            here = (i >= off) & (i < off + GU_G)
-            is_gu = is_gu | here
-            grp = tl.where(here, s, grp)
-            idx = tl.where(here, i - off, idx)
-            off += GU_G
-        if s >= LAG:
-            here = (i >= off) & (i < off + NB_DN)
-            grp = tl.where(here, s - LAG, grp)
-            idx = tl.where(here, i - off, idx)
-            off += NB_DN
-    flags = sync_ptr + FLAGS_AT + t * TOP_K
-    if is_gu:
-        pdl_start(PDL)
-        pair_j = grp * JPG + idx // NB_GU
-        _gate_up_v2_rows(x_ptr, wgu_ptr, gs_ptr, ids_ptr, h_ptr, t * TOP_K + pair_j, idx % NB_GU, stride_x,
-                         stride_gwe, stride_gwn, stride_gwk, stride_gse, stride_gsn, stride_gsk, H, I, TOP_K,
-                         GU_SCALE, GU_BLOCK_N, GU_LANES, VEC, GU_BPS)
-        tl.debug_barrier()  # every thread's h stores precede the release below
-        tl.atomic_add(flags + pair_j, 1, sem="release", scope="gpu")
-    else:
-        nb = idx
-        g = grp
-        rows = nb * DN_BLOCK_N + tl.arange(0, DN_BLOCK_N)
-        row_mask = rows < H
-        pdl_start(PDL)  # the router, which wrote ids, weights and the residual, has finished
-        r, lw = _fold_inputs(res_ptr, lnw_ptr, t, rows, row_mask, H, FOLD, True)
-        jv = tl.arange(0, JPG_P2)
-        mine = t * TOP_K + g * JPG + jv
-        pre_e = tl.load(ids_ptr + mine, mask=jv < JPG, other=0, volatile=True).to(tl.int64)
-        pre_f = tl.load(tw_ptr + mine, mask=jv < JPG, other=0.0, volatile=True).to(tl.float32)
-        if PREFETCH >= 2:  # the first weight tile while the group's gate_up items finish
-            e_first = tl.sum(tl.where(jv == 0, pre_e, 0), axis=0)
-            ks_first = _v2_k_offsets(DN_LANES, VEC, DN_BPS)
-            w_first = tl.load((wd_ptr + e_first * stride_dwe + rows.to(tl.int64) * stride_dwn)[:, None]
-                              + ks_first * stride_dwk, mask=row_mask[:, None] & (ks_first < I), other=0.0)
-        else:
-            w_first = rows  # unused
-        target = (launch + 1) * NB_GU
-        gave_up = False
-        for jj in tl.static_range(JPG):
-            cur = _ld_acquire_i64(flags + g * JPG + jj, LD_POLL)
-            polls = 1
-            while (cur < target) & (polls < spin_cap):
-                cur = _ld_acquire_i64(flags + g * JPG + jj, LD_POLL)
-                polls += 1
-            gave_up = gave_up | (cur < target)
-        if gave_up:  # never expected (the ticket order guarantees progress); counted for the tests
-            tl.atomic_add(sync_ptr + 1, 1, sem="relaxed", scope="gpu")
-        y = _down_v2_sum(h_ptr, wd_ptr, ds_ptr, ids_ptr, tw_ptr, t, g, rows, row_mask, jv, pre_e, pre_f, w_first,
-                         stride_dwe, stride_dwn, stride_dwk, stride_dse, stride_dsn, stride_dsk, I, TOP_K, DN_SCALE,
-                         DN_BLOCK_N, DN_LANES, VEC, DN_BPS, SPLIT, 2 if PREFETCH >= 2 else 1, ".cg")
-        _store_split_or_fold(y, part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r,
-                             lw, scaled_ptr, H, FOLD, SPLIT, NB_DN)
+    _store_split_or_fold(tl.sum(acc, axis=1), part_ptr, cnt_ptr, g, nb, out_ptr, t, stride_out, rows, row_mask, r,
+                         lw, scaled_ptr, H, FOLD, SPLIT)
 
 
 # ============================================================================ T >= 2: grouped kernels
@@ -1224,53 +1076,10 @@ def _v2_down_prefetch() -> int:
     return int(env)
 
 
-def one_launch_t1() -> tuple[bool, int]:
-    """``EMBER_MOE_T1_FUSED``: "1" (lag 1) or "1,LAG" runs the v2 GEMVs as one launch
-    (``_experts_v2_one_launch_kernel``; LAG: how many expert groups the down items trail the gate_up
-    items in ticket order), "0" or unset the two launches. Read per call. Returns (on, lag)."""
-    env = os.environ.get("EMBER_MOE_T1_FUSED", "0")
-    fields = env.split(",")
-    if fields[0] not in ("0", "1") or len(fields) > 2 or (len(fields) == 2 and not fields[1].isdigit()):
-        raise ValueError(f"EMBER_MOE_T1_FUSED: expected '0', '1' or '1,LAG', got {env!r}")
-    return fields[0] == "1", int(fields[1]) if len(fields) == 2 else 1
-
-
-def _experts_v2_one_launch(x, h, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold, lag):
-    T, H = x.shape
-    I = w_down.shape[2]
-    gu = _t1_v2_config("gemv_v2_gate_up", w_gate_up, H)
-    dn = _t1_v2_config("gemv_v2_down", w_down, I)
-    if gu["num_warps"] != dn["num_warps"]:
-        raise ValueError(f"EMBER_MOE_T1_FUSED: the gate_up and down tiles must have the same warps per program, "
-                         f"got {gu['num_warps']} and {dn['num_warps']}")
-    gmode, gs_t, gse, gsn, gsk = _scale_args(w_gate_up, gs)
-    dmode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
-    nb_gu, nb_dn = triton.cdiv(I, gu["BLOCK_N"]), triton.cdiv(H, dn["BLOCK_N"])
-    split, part, cnt = _split_buffers(dn, T, H, nb_dn, top_k, w_down, h)
-    lag = max(1, min(lag, split))
-    items = T * split * (top_k // split * nb_gu + nb_dn)
-    # never reset (the launch number is ticket // items): one buffer per item layout
-    sync = arrival_counters(f"moe_t1_one_launch:{items}:{nb_gu}", x.device, _SYNC_FLAGS + T * top_k, torch.int64)
-    fold_kw, fold_ptrs = _fold_args(fold, out, early=True)
-    _experts_v2_one_launch_kernel[(items,)](
-        x, w_gate_up, gs_t, w_down, ds_t, ids, tw, h, out, x.stride(0), out.stride(0),
-        *w_gate_up.stride(), gse, gsn, gsk, *w_down.stride(), dse, dsn, dsk, *fold_ptrs, part, cnt, sync,
-        ONE_LAUNCH_SPIN_CAP, H=H, I=I, TOP_K=top_k, GU_SCALE=gmode, DN_SCALE=dmode,
-        GU_BLOCK_N=gu["BLOCK_N"], GU_LANES=gu["LANES"], GU_BPS=gu["BPS"],
-        DN_BLOCK_N=dn["BLOCK_N"], DN_LANES=dn["LANES"], DN_BPS=dn["BPS"], VEC=gu["VEC"], SPLIT=split, LAG=lag,
-        JPG_P2=triton.next_power_of_2(top_k // split), FOLD=fold_kw["FOLD"], FLAGS_AT=_SYNC_FLAGS, PREFETCH=max(1, _v2_down_prefetch()),
-        LD_POLL=x.device.type == "cuda", num_warps=gu["num_warps"], num_stages=1,
-        **pdl_options(x.device))
-    return out
-
-
 def _experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=None):
     T, H = x.shape
     I = w_down.shape[2]
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
-    fused, lag = one_launch_t1()
-    if fused:
-        return _experts_v2_one_launch(x, h, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold, lag)
     cfg = _t1_v2_config("gemv_v2_gate_up", w_gate_up, H)
     mode, gs_t, gse, gsn, gsk = _scale_args(w_gate_up, gs)
     _gate_up_gemv_v2_kernel[(T * top_k, triton.cdiv(I, cfg["BLOCK_N"]))](

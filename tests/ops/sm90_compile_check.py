@@ -83,15 +83,8 @@ def _moe_v2_down_prefetch():
     _moe_fp8_decode()
 
 
-def _moe_t1_one_launch():
-    """The opt-in one-launch v2 gate_up + down (ticketed items, pair counts polled with ld.acquire)."""
-    os.environ["EMBER_MOE_T1_FUSED"] = "1"
-    os.environ.setdefault("EMBER_MOE_DOWN_SPLIT", "4")
-    _moe_fp8_decode()
-
-
 CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode,
-         "moe_v2_down_prefetch": _moe_v2_down_prefetch, "moe_t1_one_launch": _moe_t1_one_launch}
+         "moe_v2_down_prefetch": _moe_v2_down_prefetch}
 
 
 def main(names: list[str]) -> int:

@@ -547,58 +547,6 @@ def test_t1_v2_down_prefetch_same_bits_interpreter(interpreter, poisoned_buffers
         ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds)
 
 
-def _one_launch_sync():
-    """The one-launch T = 1 kernels' sync buffers (ticket counter, give-ups, pair counts), by purpose."""
-    from ember.kernels import _common
-    return {k[0]: v for k, v in _common._COUNTERS.items() if k[0].startswith("moe_t1_one_launch")}
-
-
-@pytest.mark.parametrize("wdtype,scale", [(torch.float32, None), (torch.bfloat16, None), (FP8, "row"),
-                                          (FP8, "block")])
-@pytest.mark.parametrize("split", ["1", "2", "4"])
-def test_t1_v2_one_launch_same_bits_interpreter(interpreter, poisoned_buffers, t1_v2, monkeypatch, wdtype, scale,
-                                                split):
-    """EMBER_MOE_T1_FUSED: gate_up and down as ticketed items of one launch give the two launches'
-    bits (the same products in the same order), plain and with the add_scale epilogue, at every lag,
-    on repeated calls (the launch number comes from the ticket counter); a token listing one expert
-    twice included. Tickets and pair counts advance by exactly one launch's worth per call."""
-    monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
-    xdtype, wgu, wd, gs, ds, x, res, lnw, tw, tid = _one_token_inputs(wdtype, scale, 4)
-    tid[0, 3] = tid[0, 1]
-    calls = lambda: (ember.ops.moe_experts(x, wgu, wd, tw, tid, gate_up_scale=gs, down_scale=ds),  # noqa: E731
-                     *ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs, down_scale=ds))
-    monkeypatch.setenv("EMBER_MOE_T1_FUSED", "0")
-    two_launches = calls()
-    assert_close(two_launches[0], float64_experts(x, wgu, wd, tw, tid, gs, ds).to(xdtype), xdtype)
-    for mode in ("1", "1,2", "1,4"):
-        monkeypatch.setenv("EMBER_MOE_T1_FUSED", mode)
-        for _ in range(2):
-            before = {k: v.clone() for k, v in _one_launch_sync().items()}
-            got = calls()
-            assert all(torch.equal(a, b) for a, b in zip(got, two_launches)), mode
-            moved = {name: (buf, before.get(name, torch.zeros_like(buf))) for name, buf in _one_launch_sync().items()
-                     if not torch.equal(buf, before.get(name, torch.zeros_like(buf)))}
-            assert len(moved) == 1  # this split's item layout: one buffer
-            (name, (buf, old)), = moved.items()
-            items, nb_gu = (int(v) for v in name.split(":")[1:3])
-            assert buf[0] - old[0] == 2 * items  # two launches per call: moe_experts and add_scale
-            assert buf[1] == 0  # no down item gave up waiting
-            assert torch.all(buf[16:20] - old[16:20] == 2 * nb_gu)  # each pair's gate_up items counted
-
-
-def test_t1_one_launch_switch(monkeypatch):
-    from ember.kernels import moe as kmod
-    monkeypatch.delenv("EMBER_MOE_T1_FUSED", raising=False)
-    assert kmod.one_launch_t1() == (False, 1)
-    for env, want in (("0", (False, 1)), ("1", (True, 1)), ("1,3", (True, 3))):
-        monkeypatch.setenv("EMBER_MOE_T1_FUSED", env)
-        assert kmod.one_launch_t1() == want
-    for bad in ("2", "1,a", "1,2,3", "yes"):
-        monkeypatch.setenv("EMBER_MOE_T1_FUSED", bad)
-        with pytest.raises(ValueError, match="EMBER_MOE_T1_FUSED: expected"):
-            kmod.one_launch_t1()
-
-
 def test_t1_variant_switch(monkeypatch):
     from ember.kernels import moe as kmod
     monkeypatch.delenv("EMBER_MOE_T1", raising=False)
@@ -619,12 +567,11 @@ def test_t1_variant_switch(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v1", "v2", "v2-one-launch"])
+@pytest.mark.parametrize("variant", ["v1", "v2"])
 @pytest.mark.parametrize("split", ["1", "2", "4"])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, "row", "block"])
 def test_gpu_t1_qwen3_shapes_and_graph(cuda, monkeypatch, wdtype, split, variant):
-    monkeypatch.setenv("EMBER_MOE_T1", variant.split("-")[0])
-    monkeypatch.setenv("EMBER_MOE_T1_FUSED", "1" if variant.endswith("one-launch") else "0")
+    monkeypatch.setenv("EMBER_MOE_T1", variant)
     monkeypatch.setenv("EMBER_MOE_DOWN_SPLIT", split)
     x = torch.randn(1, QH, device=cuda).bfloat16()
     logits = torch.randn(1, QE, device=cuda)
@@ -642,47 +589,6 @@ def test_gpu_t1_qwen3_shapes_and_graph(cuda, monkeypatch, wdtype, split, variant
     logits.copy_(torch.randn_like(logits))
     g.replay()
     assert_close(out, moe_ops.moe_reference(x, logits, wgu, wd, QK, True, gs, ds))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("wdtype", [torch.bfloat16, "row", "block"])
-@pytest.mark.parametrize("lag", ["1", "1,2", "1,4"])
-def test_gpu_t1_one_launch_same_bits_over_replays(cuda, monkeypatch, wdtype, lag):
-    """The one-launch gate_up + down equals the two v2 launches bit for bit at Qwen3-30B-A3B shapes
-    (the same products in the same order), with the add_scale epilogue, over 100 graph replays of
-    fresh inputs back to back (items of consecutive launches in flight together under dependent
-    launch); no down item gives up waiting."""
-    monkeypatch.setenv("EMBER_MOE_T1", "v2")
-    x = torch.randn(1, QH, device=cuda).bfloat16()
-    res = torch.randn(1, QH, device=cuda).bfloat16()
-    lnw = (torch.rand(QH, device=cuda) + 0.5).bfloat16()
-    logits = torch.randn(1, QE, device=cuda)
-    if wdtype == torch.bfloat16:
-        wgu, wd, gs, ds = make_weights(wdtype, QE, QH, QI, device=cuda)
-    else:
-        wgu, gs, wd, ds = make_weights(FP8, QE, QH, QI, device=cuda, scale=wdtype)
-
-    def run():
-        tw, tid = ember.ops.moe_route(logits, QK)
-        h, scaled = ember.ops.moe_experts_add_scale(x, wgu, wd, tw, tid, res, lnw, gate_up_scale=gs, down_scale=ds)
-        return moe_ops.moe(x, logits, wgu, wd, QK, gate_up_scale=gs, down_scale=ds), h, scaled
-
-    graphs, outs = {}, {}
-    for mode in ("0", lag):
-        monkeypatch.setenv("EMBER_MOE_T1_FUSED", mode)
-        run()
-        torch.cuda.synchronize()
-        graphs[mode] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[mode]):
-            outs[mode] = run()
-    for _ in range(100):
-        x.copy_(torch.randn_like(x))
-        logits.copy_(torch.randn_like(logits))
-        for mode in ("0", lag):
-            graphs[mode].replay()
-        assert all(torch.equal(a, b) for a, b in zip(outs[lag], outs["0"]))
-    assert_close(outs[lag][0], moe_ops.moe_reference(x, logits, wgu, wd, QK, True, gs, ds))
-    assert all(int(buf[1]) == 0 for buf in _one_launch_sync().values())
 
 
 @pytest.mark.gpu

@@ -566,7 +566,7 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
     FOLD: as in _down_gemv_kernel (FOLD_EARLY: its inputs loaded before the wait).
     SPLIT > 1: program (t, nb, g) sums experts g * TOP_K / SPLIT .. (g + 1) * TOP_K / SPLIT - 1 only
     (_store_split_or_fold combines the groups).
-    PREFETCH (``EMBER_MOE_V2_DOWN_PREFETCH``, off by default until timed): 1 loads the program's expert
+    PREFETCH (``EMBER_MOE_V2_DOWN_PREFETCH``, 1 by default, the launcher's choice): 1 loads the program's expert
     ids and routing weights before waiting for gate_up (they come from the router, two launches back,
     finished by then: _common.pdl_start; around L1), so the first weight loads after the wait do not
     wait on an id load; 2 also loads the first expert's first weight tile before the wait (as the v1
@@ -1068,9 +1068,11 @@ def _t1_v2_config(name: str, weight: torch.Tensor, K: int) -> dict:
 
 def _v2_down_prefetch() -> int:
     """``EMBER_MOE_V2_DOWN_PREFETCH``: what the v2 down GEMV loads before its dependent-launch wait
-    (0 nothing, the default; 1 its ids and routing weights; 2 those and its first weight tile).
+    (0 nothing; 1 its ids and routing weights, the default; 2 those and its first weight tile).
+    H200 Qwen3-30B-A3B fp8 decode step at a 400 cache, same run (step_variants_one_launch_fp8.json):
+    0 1.941-1.956 ms, 1 1.903-1.917, 2 1.912-1.923.
     Read per call (so also while a graph is captured)."""
-    env = os.environ.get("EMBER_MOE_V2_DOWN_PREFETCH", "0")
+    env = os.environ.get("EMBER_MOE_V2_DOWN_PREFETCH", "1")
     if env not in ("0", "1", "2"):
         raise ValueError(f"EMBER_MOE_V2_DOWN_PREFETCH: expected 0, 1 or 2, got {env!r}")
     return int(env)

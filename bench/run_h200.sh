@@ -2,7 +2,8 @@
 # Everything the H200 has to run, for one device call per group (each call is limited to 10 minutes):
 #   bash bench/run_h200.sh tests                  # every GPU test, in parallel processes (~2 min)
 #   bash bench/run_h200.sh norm sampling fp8 linear  # fast suites (~3 min)
-#   bash bench/run_h200.sh moe_ops moe            # MoE suites (~5 min)
+#   bash bench/run_h200.sh moe_ops moe            # MoE suites (~5 min; the moe rows judge 5x HF only with
+#                                                 #   EMBER_BENCH_HF_COMPILE=1, which adds ~90 s of HF compiling)
 #   bash bench/run_h200.sh moe_hybrid             # LFM2 / Qwen3.5 (HF baselines are slow)
 #   bash bench/run_h200.sh vae                    # needs the diffusers wheel in .whl/ (README of the device tool)
 #   bash bench/run_h200.sh sweeps                 # fp8 GEMV tiles, MoE T=1 v1 vs v2 (pick the defaults from these)

@@ -237,9 +237,12 @@ def run(ctx: BenchContext) -> list[Row]:
             extra.update(breakdown_us(em))
         if os.environ.get("EMBER_BENCH_VARIANTS", "1") != "0":  # 0: rows only (device time)
             extra["graph_step_ms_variants"] = step_variants(hf, cfg, em, ids, prompt_len + new + 8)
+    meets = r["tok_s"] >= 400 and r["tok_s"] >= 5 * hf_best
+    if hf_compiled is None:  # HF's fastest setting not measured: the 5x part cannot be judged
+        meets = False if r["tok_s"] < 400 else None
+        extra["note"] = "5x not judged: HF static cache + torch.compile not measured (EMBER_BENCH_HF_COMPILE=1)"
     rows.append(Row("qwen3_moe_30b_a3b_bf16_b1", "tok/s", r["tok_s"], hf_best, "HF transformers 5.17 generate (faster of default / static+compile)",
-                    target=">= 400 tok/s and >= 5x HF", meets=r["tok_s"] >= 400 and r["tok_s"] >= 5 * hf_best,
-                    extra=extra))
+                    target=">= 400 tok/s and >= 5x HF", meets=meets, extra=extra))
 
     _print_row(rows[-1])
     for fn in (_b8_row, _prefill_row):
@@ -318,17 +321,26 @@ def _fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default):
 
 def _hf_backend_row(ctx, hf, hf_ids, hf_default, quick):
     """Stock transformers generate with experts_implementation="ember" against its default backend:
-    the speed a user gets without converting the model (same model, same run)."""
+    the speed a user gets without converting the model (same model, same run). HF's batch-1 generate
+    is bound by host time, which drifted 6.4-11.9 tok/s between H200 runs, so the default backend is
+    timed again right before and after the ember one and the baseline is the mean of those two (the
+    first figure of the run, ``hf_default``, is kept in the row)."""
     from ember.integrations import hf_experts
     previous = hf.config._experts_implementation
-    ctx.progress("HF generate with the ember experts backend")
+    n = 8 if quick else 32
+    ctx.progress("HF generate, default experts backend / ember backend / default again")
+    before = hf_decode_tok_s(hf, hf_ids, n)
     hf_experts.enable(hf)
     try:
-        tok_s = hf_decode_tok_s(hf, hf_ids, 8 if quick else 32)
+        tok_s = hf_decode_tok_s(hf, hf_ids, n)
     finally:
         hf.set_experts_implementation(previous)
-    return Row("hf_experts_backend_ember", "tok/s", tok_s, hf_default,
-               f"HF transformers generate, default experts backend ({previous})", target="report", meets=None)
+    after = hf_decode_tok_s(hf, hf_ids, n)
+    return Row("hf_experts_backend_ember", "tok/s", tok_s, (before + after) / 2,
+               f"HF transformers generate, default experts backend ({previous}), timed before and after",
+               target="report", meets=None,
+               extra={"hf_default_before_tok_s": before, "hf_default_after_tok_s": after,
+                      "hf_default_first_tok_s": hf_default})
 
 
 def prefill_only(path: str, quick: bool = False, device: str = "cuda") -> None:

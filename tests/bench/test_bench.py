@@ -108,3 +108,19 @@ def test_tagged_stages_probe_patches_still_match_the_kernel():
     src = probe.stamped_source()
     ast.parse(src)
     assert sorted({int(s.split(",")[1]) for s in src.split("_stamp(stamp_ptr")[1:]}) == list(range(probe.N_STAGES))
+
+
+def test_moe_suite_quick_judges_5x_only_against_hf_compiled(monkeypatch):
+    """Without HF's static cache + compile figure (never measured on CPU, or unset on the GPU) the
+    bf16 row's 5x part cannot be judged: ``meets`` is False below 400 tok/s and unset otherwise,
+    never True; the experts-backend row times HF's default before and after the ember backend."""
+    monkeypatch.delenv("EMBER_BENCH_HF_COMPILE", raising=False)
+    rows = {r.name: r for r in bench.run_suite("moe", quick=True)}
+    b1 = rows["qwen3_moe_30b_a3b_bf16_b1"]
+    assert b1.extra["hf_static_compiled_tok_s"] is None
+    assert b1.meets is (False if b1.ember < 400 else None)
+    if b1.meets is None:
+        assert "5x not judged" in b1.extra["note"]
+    backend = rows["hf_experts_backend_ember"]
+    before, after = backend.extra["hf_default_before_tok_s"], backend.extra["hf_default_after_tok_s"]
+    assert before > 0 and after > 0 and backend.baseline == pytest.approx((before + after) / 2)

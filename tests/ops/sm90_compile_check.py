@@ -58,14 +58,14 @@ def _softmax_waves():
     ks.softmax_waves(x, torch.empty_like(x), 1.0, False, ks.WAVES_DEFAULT, 8, 16)
 
 
-def _moe_fp8_decode(E: int = 8):
+def _moe_fp8_decode():
     """The batch-1 decode's MoE kernels at Qwen3-30B-A3B widths (8 experts: the count is not
     compiled in): router + add_rmsnorm in one launch, the fp8 block-scaled v2 expert GEMVs."""
     os.environ["EMBER_FORCE_TRITON"] = "1"
     os.environ.setdefault("EMBER_MOE_T1", "v2")
     import ember
     from ember.kernels import moe as km
-    H, I, K = 2048, 768, 4
+    E, H, I, K = 8, 2048, 768, 4
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     x, res = torch.randn(1, H, dtype=bf16), torch.randn(1, H, dtype=bf16)
     km.route_hidden(x, torch.randn(E, H, dtype=bf16), K, True,
@@ -77,7 +77,7 @@ def _moe_fp8_decode(E: int = 8):
 
 
 def _moe_v2_down_prefetch():
-    """The opt-in v2 down GEMV with its ids, routing weights and first tile loaded before the wait."""
+    """The v2 down GEMV with its ids, routing weights and (opt-in) first weight tile loaded before the wait."""
     os.environ["EMBER_MOE_V2_DOWN_PREFETCH"] = "2"
     os.environ.setdefault("EMBER_MOE_DOWN_SPLIT", "4")
     _moe_fp8_decode()

@@ -78,17 +78,26 @@ def decode_bytes(net) -> int:
 
 
 def hf_decode_tok_s(model, ids, new_tokens, **kw) -> float:
-    """HF generate decode rate: (time of n+1 tokens - time of 1 token) / n, as baseline_h200.py does."""
+    """HF generate decode rate: (time of n+1 tokens - time of 1 token) / n, as baseline_h200.py does;
+    the 1-token time is the median of three (one slow 1-token call on a busy host had made the
+    difference negative)."""
     kw = dict(do_sample=False, pad_token_id=0, **kw)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+
+    def timed(n: int) -> float:
+        sync(); t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        sync()
+        return time.perf_counter() - t0
+
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
-        sync(); t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        sync(); t1 = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, **kw)
-        sync(); t2 = time.perf_counter()
-    return new_tokens / ((t2 - t1) - (t1 - t0))
+        one = statistics.median(timed(1) for _ in range(3))
+        many = timed(new_tokens + 1)
+    if many <= one:
+        raise RuntimeError(f"HF decode timing: {new_tokens + 1} tokens took {many:.4f} s, not more than "
+                           f"1 token's {one:.4f} s (a busy host?)")
+    return new_tokens / (many - one)
 
 
 def hf_static_compiled_tok_s(model, ids, new_tokens, **kw) -> tuple[float, float]:

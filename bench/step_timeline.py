@@ -8,7 +8,10 @@ node of a graph), takes the last one, groups its kernels by name and gives, per 
 duration, mean increment, and the HBM floor of the bytes that kernel reads (bf16 / fp8 weights of
 the Qwen3-30B-A3B shapes at 4.15 TB/s), so the overhead per kernel is increment - floor.
 
-    python bench/step_timeline.py OUT_JSON [--fp8] [--cache 400]
+    python bench/step_timeline.py OUT_JSON [--fp8] [--cache 400] [--batch 1]
+
+``--batch B`` profiles the step of B rows (B prompts of 128 tokens; at B > 1 the floors of the
+expert GEMVs are those of batch 1, so compare increments between runs, not against them).
 """
 import argparse
 import json
@@ -30,8 +33,8 @@ def floors_us(fp8: bool) -> dict:
     return {k: v / BW * 1e6 for k, v in mb.items()}
 
 
-def step_kernels(model, replays: int = 5) -> list[dict]:
-    g = model._graphs[(1, True)]
+def step_kernels(model, replays: int = 5, batch: int = 1) -> list[dict]:
+    g = model._graphs[(batch, True)]
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -77,20 +80,20 @@ def summarise(kernels: list[dict], fp8: bool) -> dict:
                                      for k in kernels[:16]]}
 
 
-def main(path: str, fp8_too: bool, cache: int) -> None:
+def main(path: str, fp8_too: bool, cache: int, batch: int) -> None:
     hf, cfg = moe_bench.make_hf(False, torch.device("cuda"))
     res = {}
     for fp8 in ([False, True] if fp8_too else [False]):
-        em = moe_bench.ember_from_hf(hf, cfg, fp8=fp8, max_seq_len=cache)
-        moe_bench.ember_decode(em, [list(range(100, 228))], 32)
+        em = moe_bench.ember_from_hf(hf, cfg, fp8=fp8, max_seq_len=cache, max_batch_size=batch)
+        moe_bench.ember_decode(em, [list(range(100 + r, 228 + r)) for r in range(batch)], 32)
         key = "fp8" if fp8 else "bf16"
-        res[key] = summarise(step_kernels(em), fp8)
-        res[key]["graph_step_ms"] = moe_bench.graph_step_ms(em, 1)
+        res[key] = summarise(step_kernels(em, batch=batch), fp8)
+        res[key]["graph_step_ms"] = moe_bench.graph_step_ms(em, batch)
         print(key, json.dumps(res[key], indent=1)[:3000], flush=True)
         em = None
         torch.cuda.empty_cache()
     with open(path, "w") as f:
-        json.dump(res | {"cache": cache}, f, indent=1)
+        json.dump(res | {"cache": cache, "batch": batch}, f, indent=1)
 
 
 if __name__ == "__main__":
@@ -98,5 +101,6 @@ if __name__ == "__main__":
     ap.add_argument("out")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--cache", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=1)
     a = ap.parse_args()
-    main(a.out, a.fp8, a.cache)
+    main(a.out, a.fp8, a.cache, a.batch)

@@ -204,6 +204,34 @@ def pdl_options(device: torch.device) -> dict:
     return dict(PDL=pdl, launch_pdl=pdl)
 
 
+# Inputs that no running kernel writes, loaded before ``pdl_start`` so that their latency overlaps the
+# wait instead of following it (the sm_90 SASS had each as a dependent load after the wait): "attn",
+# the decode attention's row lengths (the engine updates them once per step, between replays);
+# "router", the router's norm weight (it had come after the row's reduction). H200 Qwen3-30B-A3B decode
+# step at a 400 cache (bench/results/h200/step_variants_early_loads_*.json): fp8 1.914-1.918 ms with
+# neither, 1.837-1.844 attn, 1.906-1.911 router, 1.806-1.813 both; bf16 2.309-2.316 -> 2.233-2.243.
+# Tried and removed (same run, on top of both): the fp8 GEMV's row scales and bias (1.810-1.820),
+# the RoPE kernel's position, cos / sin rows and norm weights (1.813-1.822), the v2 fp8 gate_up's row
+# scales right after its expert id (1.833-1.842) and the v2 down GEMV's before its wait (2.040).
+EARLY_LOAD_KINDS = ("attn", "router")
+EARLY_LOADS_DEFAULT = "attn,router"
+
+
+def early_loads(kind: str) -> bool:
+    """Whether kernels of ``kind`` (one of EARLY_LOAD_KINDS) load their unchanging inputs before the
+    dependent-launch wait: ``EMBER_EARLY_LOADS``, a comma-separated list of kinds, "all" or "none"
+    (default EARLY_LOADS_DEFAULT); read per call (so per captured decode-step variant). The values
+    are the same either way, so the same bits."""
+    env = os.environ.get("EMBER_EARLY_LOADS", EARLY_LOADS_DEFAULT).strip()
+    kinds = set(EARLY_LOAD_KINDS) if env == "all" else set() if env == "none" else \
+        {k.strip() for k in env.split(",") if k.strip()}
+    unknown = kinds - set(EARLY_LOAD_KINDS)
+    if unknown:
+        raise ValueError(f"EMBER_EARLY_LOADS: unknown kind(s) {sorted(unknown)}; expected 'all', 'none' or "
+                         f"a comma-separated list of {', '.join(EARLY_LOAD_KINDS)}")
+    return kind in kinds
+
+
 # ----------------------------------------------------------------------------- folded add_rmsnorm
 # The decoder's ``add_rmsnorm`` computed inside the kernel that consumes it (the MoE router, the qkv
 # GEMV): every program derives the row's norm itself, with the same code and layout, so all agree.

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, env_ints, pdl_options, pdl_start, residual_inv_rms, residual_sum, round_to
+from ember.kernels._common import arrival_counters, early_loads, env_ints, pdl_options, pdl_start, residual_inv_rms, residual_sum, round_to
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -187,7 +187,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SHARED_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_KK: tl.constexpr, ADD_NORM: tl.constexpr = False,
-                         PACKED: tl.constexpr = True, PDL: tl.constexpr = False):
+                         PACKED: tl.constexpr = True, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
     """Router GEMV and routing in one launch: program (t, j) computes BLOCK_R of token t's logits
     (rounded to x's dtype, as ``F.linear(x, router)`` returns them); the last of the token's
     ``n_prog`` programs to arrive (acq_rel counter) routes from all E logits and resets the counter.
@@ -198,6 +198,10 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     ``add_rmsnorm``, saving its launch): every program computes the normalised row itself (the same
     code and layout everywhere, so the same values), multiplies its router rows with it, and program
     0 stores it and the new residual for the expert GEMVs and the next layer.
+    EARLY (ADD_NORM, ``_common.early_loads("router")``): the first K block's norm weight is loaded
+    before the wait too, and that block's x + residual is kept from the norm's pass for the product
+    (the same values: the same bits) instead of reloaded with the norm weight after the row's
+    reduction (a dependent load after the reduction in the sm_90 SASS).
     """
     t = tl.program_id(0)
     j = tl.program_id(1)
@@ -208,12 +212,32 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     # previous kernel: no kernel writes it, and under dependent launch the load overlaps that kernel.
     ks = tl.arange(0, BLOCK_H)
     w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < H)[None, :], other=0.0)
+    if ADD_NORM and EARLY:
+        lw0 = tl.load(lnw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
     pdl_start(PDL)
     inv_rms = 0.0
-    if ADD_NORM:  # program 0 of the token writes the new residual
-        inv_rms = residual_inv_rms(x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps, j == 0,
-                                   BLOCK_H)
-    xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM)
+    if ADD_NORM and EARLY:
+        # residual_inv_rms and _router_input with block 0's residual sum computed once
+        h0 = residual_sum(x_ptr + t * stride_x, res_ptr + t * H, ks, H, 1)
+        if j == 0:
+            tl.store(new_res_ptr + t * H + ks, h0.to(new_res_ptr.dtype.element_ty), mask=ks < H)
+        ss = h0 * h0
+        for k0 in range(BLOCK_H, H, BLOCK_H):
+            kr = k0 + tl.arange(0, BLOCK_H)
+            hr = residual_sum(x_ptr + t * stride_x, res_ptr + t * H, kr, H, 1)
+            if j == 0:
+                tl.store(new_res_ptr + t * H + kr, hr.to(new_res_ptr.dtype.element_ty), mask=kr < H)
+            ss += hr * hr
+        inv_rms = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+        normed0 = round_to(h0 * inv_rms * lw0, x_ptr.dtype.element_ty)
+        if j == 0:
+            tl.store(normed_ptr + t * H + ks, normed0, mask=ks < H)
+        xv = normed0.to(tl.float32)
+    else:
+        if ADD_NORM:  # program 0 of the token writes the new residual
+            inv_rms = residual_inv_rms(x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps,
+                                       j == 0, BLOCK_H)
+        xv = _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM)
     acc = w.to(tl.float32) * xv[None, :]
     for k0 in range(BLOCK_H, H, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
@@ -685,7 +709,8 @@ def _gate_up_grouped_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, sorted_pai
                             T, H, I, stride_x, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                             TOP_K: tl.constexpr, SORTED: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_KK: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     gid = tl.program_id(0)
     nb = tl.program_id(1)
     e, serves, tokens, pairs, weights, row_mask = _group_rows(
@@ -724,7 +749,8 @@ def _down_grouped_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, sorted_pairs_
                          T, H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                          TOP_K: tl.constexpr, SORTED: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_KK: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     gid = tl.program_id(0)
     nb = tl.program_id(1)
     e, serves, tokens, pairs, weights, row_mask = _group_rows(
@@ -756,17 +782,29 @@ def _down_grouped_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, sorted_pairs_
 
 
 @triton.jit
-def _combine_pairs_kernel(pair_out_ptr, out_ptr, H, res_ptr, lnw_ptr, scaled_ptr, TOP_K: tl.constexpr,
-                          BLOCK: tl.constexpr, FOLD: tl.constexpr = False):
+def _combine_pairs_kernel(pair_out_ptr, out_ptr, H, res_ptr, lnw_ptr, scaled_ptr, ids_ptr, TOP_K: tl.constexpr,
+                          BLOCK: tl.constexpr, FOLD: tl.constexpr = False, DEDUP: tl.constexpr = False,
+                          BLOCK_KK: tl.constexpr = 1, PDL: tl.constexpr = False):
     """out[t] = sum over j of pair_out[t * TOP_K + j], j in order (deterministic), in out's dtype.
-    FOLD: as in _down_gemv_kernel (out becomes the new residual, scaled_ptr gets it times lnw)."""
+    FOLD: as in _down_gemv_kernel (out becomes the new residual, scaled_ptr gets it times lnw).
+    DEDUP (decode grouping): a pair whose expert the token listed earlier is skipped (its weight went
+    to the first such pair, and its row was never written), so pair_out needs no zeroing launch."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     r, lw = _fold_inputs(res_ptr, lnw_ptr, t, cols, mask, H, FOLD, False)
+    if DEDUP:
+        kk = tl.arange(0, BLOCK_KK)
+        row_ids = tl.load(ids_ptr + t * TOP_K + kk, mask=kk < TOP_K, other=-1)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(pair_out_ptr + (t * TOP_K + j) * H + cols, mask=mask, other=0.0)
+        keep = mask
+        if DEDUP:
+            e_j = tl.load(ids_ptr + t * TOP_K + j)
+            earlier = tl.sum(((row_ids == e_j) & (kk < j)).to(tl.int32), axis=0)
+            keep = mask & ((earlier + tl.zeros([BLOCK], dtype=tl.int32)) == 0)  # [BLOCK]: the interpreter wants it
+        acc += tl.load(pair_out_ptr + (t * TOP_K + j) * H + cols, mask=keep, other=0.0)
     _store_out_or_fold(acc, out_ptr, t, H, cols, mask, r, lw, scaled_ptr, H, FOLD)
 
 
@@ -879,7 +917,8 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
         TOP_K=top_k, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=expert_bias is not None, SHARED_GATE=shared_expert_gate, BLOCK_R=block_r, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
-        PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", num_warps=warps, **pdl_options(x.device))
+        PACKED=os.environ.get("EMBER_ROUTER_PACKED_TOPK", "1") != "0", EARLY=early_loads("router"), num_warps=warps,
+        **pdl_options(x.device))
     return w, ids
 
 
@@ -1116,16 +1155,17 @@ def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None, fol
         sorted_pairs, block_expert, n_groups = _align(ids, E, block_m)
         cfg = _config("grouped_prefill", dev, x.element_size())
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=dev)
-    # Decode: zeroed, as a token that lists one expert twice leaves its second pair's row unwritten
-    # (the first carries the summed weight). Prefill writes every pair's row: no memset of
-    # T * top_k * H floats (134 MB a layer at 2048 tokens of Qwen3-30B-A3B).
-    pair_out = (torch.zeros if decode else torch.empty)((T * top_k, H), dtype=torch.float32, device=dev)
+    # Not zeroed: prefill writes every pair's row; decode leaves the row of a token's repeated expert
+    # unwritten (the first pair carries the summed weight) and the combine skips it (DEDUP). A zeroing
+    # launch (T * top_k * H floats a layer) also broke the decode step's chain of dependent launches.
+    pair_out = torch.empty((T * top_k, H), dtype=torch.float32, device=dev)
+    pdl = pdl_options(dev) if os.environ.get("EMBER_MOE_GROUPED_PDL", "1") != "0" else {}
     # Triton 3.9's interpreter gets bf16 tl.dot wrong (garbage, seen on CPU), so off the GPU the dot
     # runs on float32 copies of the (exactly representable) operands.
     ieee = x.dtype == torch.float32 or dev.type != "cuda"
     common = dict(TOP_K=top_k, SORTED=not decode, IEEE=ieee, BLOCK_M=block_m,
                   BLOCK_KK=triton.next_power_of_2(top_k), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     mode, gs_t, gse, gsn, gsk = _scale_args(w_gate_up, gs)
     _gate_up_grouped_kernel[(n_groups, triton.cdiv(I, cfg["BLOCK_N"]))](
         x, w_gate_up, gs_t, ids, tw, sorted_pairs, block_expert, h, T, H, I, x.stride(0), *w_gate_up.stride(),
@@ -1138,8 +1178,9 @@ def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None, fol
         out = torch.empty((T, H), dtype=x.dtype, device=dev)
     block = min(1024, triton.next_power_of_2(H))
     res, lnw, scaled = fold if fold is not None else (out, out, out)  # unused pointers without FOLD
-    _combine_pairs_kernel[(T, triton.cdiv(H, block))](pair_out, out, H, res, lnw, scaled, TOP_K=top_k, BLOCK=block,
-                                                      FOLD=fold is not None, num_warps=4)
+    _combine_pairs_kernel[(T, triton.cdiv(H, block))](pair_out, out, H, res, lnw, scaled, ids, TOP_K=top_k,
+                                                      BLOCK=block, FOLD=fold is not None, DEDUP=decode,
+                                                      BLOCK_KK=triton.next_power_of_2(top_k), num_warps=4, **pdl)
     return out
 
 

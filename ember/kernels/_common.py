@@ -213,10 +213,8 @@ def pdl_options(device: torch.device) -> dict:
 # Tried and removed (same run, on top of both): the fp8 GEMV's row scales and bias (1.810-1.820),
 # the RoPE kernel's position, cos / sin rows and norm weights (1.813-1.822), the v2 fp8 gate_up's row
 # scales right after its expert id (1.833-1.842) and the v2 down GEMV's before its wait (2.040).
-# "grouped": the batched-decode / prefill down kernel's pair grouping (written by the router or the
-# sort two or more launches back).
-EARLY_LOAD_KINDS = ("attn", "router", "grouped")
-EARLY_LOADS_DEFAULT = "attn,router,grouped"
+EARLY_LOAD_KINDS = ("attn", "router")
+EARLY_LOADS_DEFAULT = "attn,router"
 
 
 def early_loads(kind: str) -> bool:

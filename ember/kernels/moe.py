@@ -663,38 +663,35 @@ def _down_gemv_v2_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, out_ptr, stri
 # ============================================================================ T >= 2: grouped kernels
 @triton.jit
 def _group_rows(gid, ids_ptr, tw_ptr, sorted_pairs_ptr, block_expert_ptr, T,
-                TOP_K: tl.constexpr, SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KK: tl.constexpr,
-                VOLATILE: tl.constexpr = False):
+                TOP_K: tl.constexpr, SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KK: tl.constexpr):
     """The expert program ``gid`` serves and its BLOCK_M rows: (expert, serves?, tokens, pairs, weights, row mask).
 
     SORTED (prefill): block ``gid`` of the expert-sorted pair list. Otherwise (decode, T <= BLOCK_M):
     the program of pair ``gid`` serves expert ``ids[gid]`` only if no earlier pair chose it; its rows
     are the tokens that chose it (a token listing it twice gets the summed weight).
-    VOLATILE: loads around L1 (read before the dependent-launch wait: no stale line of an earlier
-    layer's buffer at the same address).
     """
     if SORTED:
-        e = tl.load(block_expert_ptr + gid, volatile=VOLATILE)
+        e = tl.load(block_expert_ptr + gid)
         serves = e >= 0
-        pairs = tl.load(sorted_pairs_ptr + gid * BLOCK_M + tl.arange(0, BLOCK_M), volatile=VOLATILE)
+        pairs = tl.load(sorted_pairs_ptr + gid * BLOCK_M + tl.arange(0, BLOCK_M))
         row_mask = pairs < T * TOP_K
         pairs = tl.where(row_mask, pairs, 0)
         tokens = pairs // TOP_K
-        weights = tl.load(tw_ptr + pairs, mask=row_mask, other=0.0, volatile=VOLATILE).to(tl.float32)
+        weights = tl.load(tw_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
     else:
         tt = tl.arange(0, BLOCK_M)[:, None]
         jj = tl.arange(0, BLOCK_KK)[None, :]
         flat = tt * TOP_K + jj
         in_range = (tt < T) & (jj < TOP_K)
-        all_ids = tl.load(ids_ptr + flat, mask=in_range, other=-1, volatile=VOLATILE)
-        e = tl.load(ids_ptr + gid, volatile=VOLATILE)
+        all_ids = tl.load(ids_ptr + flat, mask=in_range, other=-1)
+        e = tl.load(ids_ptr + gid)
         hit = (all_ids == e) & in_range
         serves = tl.sum(tl.sum((hit & (flat < gid)).to(tl.int32), axis=1), axis=0) == 0
         row_mask = tl.max(hit.to(tl.int32), axis=1) > 0
         first_j = tl.min(tl.where(hit, jj, BLOCK_KK), axis=1)
         tokens = tl.arange(0, BLOCK_M)
         pairs = tokens * TOP_K + tl.where(row_mask, first_j, 0)
-        all_w = tl.load(tw_ptr + flat, mask=in_range, other=0.0, volatile=VOLATILE).to(tl.float32)
+        all_w = tl.load(tw_ptr + flat, mask=in_range, other=0.0).to(tl.float32)
         weights = tl.sum(tl.where(hit, all_w, 0.0), axis=1)
     return e.to(tl.int64), serves, tokens, pairs, weights, row_mask
 
@@ -752,18 +749,12 @@ def _down_grouped_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, sorted_pairs_
                          T, H, I, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                          TOP_K: tl.constexpr, SORTED: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_KK: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, IDS_EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
-    # IDS_EARLY (``_common.early_loads("grouped")``): the pair grouping (ids, routing weights, or the
-    # sorted pair list) is read before the dependent-launch wait: the router (or the sort) wrote it
-    # two or more launches back, finished by now (_common.pdl_start); only h follows the wait.
-    if not IDS_EARLY:
-        pdl_start(PDL)
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     gid = tl.program_id(0)
     nb = tl.program_id(1)
     e, serves, tokens, pairs, weights, row_mask = _group_rows(
-        gid, ids_ptr, tw_ptr, sorted_pairs_ptr, block_expert_ptr, T, TOP_K, SORTED, BLOCK_M, BLOCK_KK, IDS_EARLY)
-    if IDS_EARLY:
-        pdl_start(PDL)
+        gid, ids_ptr, tw_ptr, sorted_pairs_ptr, block_expert_ptr, T, TOP_K, SORTED, BLOCK_M, BLOCK_KK)
     if serves:
         cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
         col_mask = cols < H
@@ -1182,7 +1173,7 @@ def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None, fol
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
     _down_grouped_kernel[(n_groups, triton.cdiv(H, cfg["BLOCK_N"]))](
         h, w_down, ds_t, ids, tw, sorted_pairs, block_expert, pair_out, T, H, I, *w_down.stride(),
-        dse, dsn, dsk, SCALE=mode, IDS_EARLY=early_loads("grouped"), **common)
+        dse, dsn, dsk, SCALE=mode, **common)
     if out is None:
         out = torch.empty((T, H), dtype=x.dtype, device=dev)
     block = min(1024, triton.next_power_of_2(H))

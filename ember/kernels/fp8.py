@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ember.kernels import gemv
-from ember.kernels._common import pdl_options, pdl_start, round_to
+from ember.kernels._common import parse_ints, pdl_options, pdl_start, round_to
 
 # tl.constexpr: @triton.jit code may read module globals only in this form (the interpreter is laxer)
 FP8_MAX = tl.constexpr(448.0)
@@ -311,8 +311,11 @@ def _skinny_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
                       A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr, SB_N_GROUP: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      FP8_DOT: tl.constexpr = False, MAX_IMPRECISE: tl.constexpr = 0, PDL: tl.constexpr = False):
+                      FP8_DOT: tl.constexpr = False, MAX_IMPRECISE: tl.constexpr = 0, B_SCALED: tl.constexpr = True,
+                      PDL: tl.constexpr = False):
     """Few rows (M <= 16), swapped operands: out^T [BLOCK_N, BLOCK_M] = b^T tile @ a^T tile.
+    B_SCALED=False: an unscaled b of a's dtype (``few_rows_linear``: bf16 / fp16 weights), no scale
+    loaded.
 
     The weight tile [BLOCK_N, BLOCK_K] is the MMA's first operand, so BLOCK_N = 64 fills Hopper's
     64-row warpgroup MMA and the 16 activation rows are its narrow second operand: a weight tile
@@ -367,10 +370,10 @@ def _skinny_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
             # accumulate inside the dot: a separate `acc += part` leaves the loads unpipelined (sm_90
             # TTGIR: plain ld.global + st.shared each step, no cp.async; 30 us at 8192^2, M=16, H200)
             acc = _fp8_dot(w, x, acc, MAX_IMPRECISE)
-    if not K_BLOCKED:
+    if not K_BLOCKED and B_SCALED:
         acc = acc * tl.load(sb_ptr + (offs_n // SB_N_GROUP) * stride_sbn, mask=mask_n, other=0.0)[:, None]
-        if A_SCALED:
-            acc = acc * tl.load(sa_ptr + offs_m64 * stride_sam, mask=mask_m, other=0.0)[None, :]
+    if not K_BLOCKED and A_SCALED:
+        acc = acc * tl.load(sa_ptr + offs_m64 * stride_sam, mask=mask_m, other=0.0)[None, :]
     mask = mask_n[:, None] & mask_m[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -384,7 +387,9 @@ def _skinny_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
 
 @triton.jit
 def _split_k_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_on,
-                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -624,3 +629,70 @@ def _launch_gemv(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, k_blocked, c
                        scale_a=scale_a if kind_a is not None else None, stride_sak=s_ak,
                        scale_b=scale_b, stride_sbk=s_bk, stride_sbn=s_bn, sb_n_group=group,
                        k_blocked=k_blocked)
+
+
+# ----------------------------------------------------------------------------- few-row bf16 / fp16 linear
+# 2..16 rows of x against an unscaled bf16 / fp16 weight [N, K] (K-contiguous): the dense projections of
+# batched decode. cuBLAS picks a split-K GEMM plus a reduce kernel for these (H200, batch-8 Qwen3-30B-A3B
+# step timeline: qkv 5120 x 2048 7.96 us against a 5.05 us floor, o_proj 2048 x 4096 7.42 + 1.85 us
+# against 4.04; bench/results/h200/step_timeline_b8.json), outside the step's chain of dependent
+# launches. The swapped-operand kernel streams the weight tiles straight into the MMA (no upcast).
+# Tiles (BLOCK_K, SPLIT_K, num_stages) by weight shape, measured inside the batch-8 decode step; shapes
+# not listed stay on cuBLAS.
+FEW_ROWS_MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {}
+
+
+def _few_rows_env_tiles() -> dict[tuple[int, int], tuple[int, ...]]:
+    """``EMBER_LINEAR_FEW_ROWS_TILE="NxK=BLOCK_K,SPLIT_K,num_stages;..."`` (decode-step sweeps)."""
+    var = "EMBER_LINEAR_FEW_ROWS_TILE"
+    tiles = {}
+    for entry in filter(None, (e.strip() for e in os.environ.get(var, "").split(";"))):
+        shape, _, tile = entry.partition("=")
+        dims = shape.lower().split("x")
+        if len(dims) != 2 or not all(d.strip().isdigit() for d in dims) or not tile:
+            raise ValueError(f"{var}: expected 'NxK=BLOCK_K,SPLIT_K,num_stages' entries separated by ';', "
+                             f"got {entry!r}")
+        tiles[(int(dims[0]), int(dims[1]))] = parse_ints(var, tile, "BLOCK_K,SPLIT_K,num_stages")
+    return tiles
+
+
+def few_rows_config(N: int, K: int) -> dict | None:
+    """The few-row kernel's tiles for an N x K weight, or None (cuBLAS): FEW_ROWS_MEASURED, or the
+    shapes listed in ``EMBER_LINEAR_FEW_ROWS_TILE`` (sweeps; they replace the table); with
+    ``EMBER_LINEAR_FEW_ROWS=0`` every shape stays on cuBLAS. Read per call (so per captured
+    decode-step variant)."""
+    if os.environ.get("EMBER_LINEAR_FEW_ROWS", "1") == "0":
+        return None
+    tile = (_few_rows_env_tiles() or FEW_ROWS_MEASURED).get((N, K))
+    if tile is None:
+        return None
+    bk, split, stages = tile
+    return dict(BLOCK_N=64, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
+    """x [M, K] (2 <= M <= 16, unit stride along K) @ weight [N, K].T (+ bias), weight K-contiguous and
+    of x's dtype; fp32 accumulation, one rounding (split K: fixed-order fp32 sums, then one rounding)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    bk = cfg["BLOCK_K"]
+    k_per_split = -(-K // (cfg["SPLIT_K"] * bk)) * bk
+    split = -(-K // k_per_split)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    on_gpu = x.device.type == "cuda"
+    pdl = pdl_options(x.device)
+    _skinny_mm_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
+        x, weight, weight, weight, bias if bias is not None else out, out, ws,  # sa, sb: unused pointers
+        M, N, K, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(1), weight.stride(0), out.stride(0), out.stride(1),
+        0, 0, 0, 0,
+        A_SCALED=False, K_BLOCKED=False, SB_N_GROUP=1, HAS_BIAS=bias is not None, SPLIT_K=split,
+        DOT_F32=not on_gpu, IEEE=not on_gpu or x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=bk, B_SCALED=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
+    if split > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(M * N, block),)](
+            ws, bias if bias is not None else out, out, M, N, out.stride(0), out.stride(1),
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl)
+    return out

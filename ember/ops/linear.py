@@ -1,10 +1,12 @@
 """Dense linear layer ``y = x @ weight.T + bias`` (what ``torch.nn.functional.linear`` computes).
 
 Batch-1 decode makes every projection a GEMV (one row of x), a pure stream of weight bytes; there
-ember runs its own one-launch Triton GEMV (``ember.kernels.gemv``). Every other case (M > 1, a weight
-without unit stride along K, non-CUDA tensors) calls ``F.linear``: with more than one row the work
-becomes a GEMM and cuBLAS is the right tool, and on CPU this keeps results bit-identical to the
-stock layer (the model oracle tests compare greedy tokens with transformers).
+ember runs its own one-launch Triton GEMV (``ember.kernels.gemv``). Batched decode (2..16 rows, bf16 /
+fp16, CUDA) takes a few-row tensor-core kernel for the weight shapes measured faster than cuBLAS
+(``ember.kernels.fp8.FEW_ROWS_MEASURED``). Every other case (more rows, a weight without unit stride
+along K, non-CUDA tensors) calls ``F.linear``: a real GEMM is cuBLAS's job, and on CPU this keeps
+results bit-identical to the stock layer (the model oracle tests compare greedy tokens with
+transformers).
 
 The reference, :func:`linear_reference`, is the executable spec: ``F.linear`` on fp32 copies of the
 operands, rounded once to the input dtype (fp32 accumulation, one rounding). For fp32 inputs it is
@@ -74,12 +76,25 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[:-1] + (weight.shape[0],))
 
 
+def _few_rows_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """2..16 rows of x on CUDA, a K-contiguous bf16 / fp16 weight of a shape measured to beat cuBLAS
+    there (``ember.kernels.fp8.few_rows_config``): the few-row kernel's tiles, else None."""
+    N, K = weight.shape
+    if (x.device.type != "cuda" or weight.dtype not in (torch.bfloat16, torch.float16) or K == 0 or N == 0
+            or weight.stride(1) != 1 or not 2 <= x.numel() // K <= 16 or not _dispatch.use_triton(x)
+            or _dispatch.compiling()):
+        return None
+    return _dispatch.kernels("fp8").few_rows_config(N, K)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with fp32 accumulation, like ``torch.nn.functional.linear``.
 
     ``x`` [..., K] and ``weight`` [N, K] (an ``nn.Linear`` weight) share a dtype (bf16, fp16 or fp32)
     and device; ``bias`` is [N] of the same dtype, or None. Returns [..., N] in x's dtype. A single
-    row of x (batch-1 decode) on CUDA runs ember's Triton GEMV; anything else calls ``F.linear``.
+    row of x (batch-1 decode) on CUDA runs ember's Triton GEMV; 2..16 rows of bf16 / fp16 on CUDA
+    take ember's few-row kernel for the weight shapes where it measured faster than cuBLAS (batched
+    decode's projections); anything else calls ``F.linear``.
 
     Example:
         >>> w = torch.randn(512, 256, dtype=torch.bfloat16)
@@ -91,6 +106,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if _dispatch.compiling():
             return _linear_one_row_op(x, weight, bias)
         return _linear_one_row(x, weight, bias)
+    cfg = _few_rows_config(x, weight)
+    if cfg is not None:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = _dispatch.kernels("fp8").few_rows_linear(x2, weight, bias, cfg)
+        return y.reshape(x.shape[:-1] + (weight.shape[0],))
     return F.linear(x, weight, bias)
 
 

@@ -319,3 +319,61 @@ def test_gemv_tiles_env_override_interpreter(interpreter, monkeypatch):
     monkeypatch.setenv("EMBER_GEMV_TILES", "40x512=4,2")
     with pytest.raises(ValueError, match="EMBER_GEMV_TILES"):
         ember.ops.linear(x, w, b)
+
+
+# ----------------------------------------------------------------------------- few rows (batched decode)
+@pytest.mark.parametrize("M,N,K", [(2, 70, 96), (8, 64, 300), (16, 130, 40)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile", [(32, 1, 2), (32, 3, 2)])  # (BLOCK_K, SPLIT_K, num_stages): unsplit, split K
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_kernel_matches_float64_interpreter(interpreter, M, N, K, dtype, tile, bias):
+    from ember.kernels import fp8 as kf
+    x, w, b = operands(N, K, dtype, bias=bias, lead=(M,))
+    cfg = dict(BLOCK_N=64, BLOCK_K=tile[0], SPLIT_K=tile[1], num_warps=1, num_stages=tile[2])
+    got = kf.few_rows_linear(x, w, b, cfg)
+    assert got.shape == (M, N) and got.dtype == dtype
+    assert_close(got, float64_linear(x, w, b).to(dtype), dtype)
+    xs = torch.randn(M, 2 * K).to(dtype)[:, ::2]  # rows with a stride along K of 2
+    assert_close(kf.few_rows_linear(xs, w, b, cfg), float64_linear(xs, w, b).to(dtype), dtype)
+
+
+def test_few_rows_config_table_and_env(monkeypatch):
+    from ember.kernels import fp8 as kf
+    monkeypatch.delenv("EMBER_LINEAR_FEW_ROWS_TILE", raising=False)
+    monkeypatch.setattr(kf, "FEW_ROWS_MEASURED", {(64, 32): (128, 2, 4)})
+    assert kf.few_rows_config(64, 32) == dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4)
+    assert kf.few_rows_config(64, 64) is None  # not measured: cuBLAS
+    monkeypatch.setenv("EMBER_LINEAR_FEW_ROWS_TILE", "64x64=256,1,3")  # replaces the table
+    assert kf.few_rows_config(64, 64)["BLOCK_K"] == 256 and kf.few_rows_config(64, 32) is None
+    monkeypatch.setenv("EMBER_LINEAR_FEW_ROWS", "0")
+    assert kf.few_rows_config(64, 64) is None
+    monkeypatch.delenv("EMBER_LINEAR_FEW_ROWS")
+    for bad in ("64x64=256,1", "64=256,1,3", "axb=1,1,1", "64x64=0,1,1"):
+        monkeypatch.setenv("EMBER_LINEAR_FEW_ROWS_TILE", bad)
+        with pytest.raises(ValueError, match="EMBER_LINEAR_FEW_ROWS_TILE"):
+            kf.few_rows_config(64, 64)
+
+
+def test_few_rows_path_is_cuda_only():
+    """On CPU, 2..16 rows stay F.linear bit for bit (the CPU oracle tests against transformers)."""
+    x, w, b = operands(48, 64, torch.bfloat16, lead=(8,))
+    assert linear_mod._few_rows_config(x, w) is None
+    assert torch.equal(ember.ops.linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(5120, 2048), (2048, 4096)])
+@pytest.mark.parametrize("M", [2, 8, 16])
+def test_gpu_few_rows_qwen3_shapes(cuda, monkeypatch, N, K, M):
+    """The few-row kernel through ember.ops.linear (tiles forced, split and unsplit) against float64,
+    eager and replayed in a CUDA graph."""
+    x, w, b = operands(N, K, torch.bfloat16, device=cuda, lead=(M, 1))
+    want = float64_linear(x.reshape(M, K), w, b).reshape(M, 1, N).to(torch.bfloat16)
+    for tile in ("128,1,4", "128,2,4"):
+        monkeypatch.setenv("EMBER_LINEAR_FEW_ROWS_TILE", f"{N}x{K}={tile}")
+        assert_close(ember.ops.linear(x, w, b).cpu(), want, torch.bfloat16)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = ember.ops.linear(x, w, b)
+        g.replay()
+        assert_close(y.cpu(), want, torch.bfloat16)

@@ -637,9 +637,13 @@ def _launch_gemv(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, k_blocked, c
 # step timeline: qkv 5120 x 2048 7.96 us against a 5.05 us floor, o_proj 2048 x 4096 7.42 + 1.85 us
 # against 4.04; bench/results/h200/step_timeline_b8.json), outside the step's chain of dependent
 # launches. The swapped-operand kernel streams the weight tiles straight into the MMA (no upcast).
-# Tiles (BLOCK_K, SPLIT_K, num_stages) by weight shape, measured inside the batch-8 decode step; shapes
-# not listed stay on cuBLAS.
-FEW_ROWS_MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {}
+# Tiles (BLOCK_K, SPLIT_K, num_stages) by weight shape, measured inside the batch-8 decode step
+# (bench/sweeps/few_rows_b8.json, bench/results/h200/step_variants_few_rows_b8.json; step ms, cuBLAS
+# 7.574-7.604 and 7.573-7.600 again): qkv 128,2,4 + o_proj 128,4,4 7.490-7.515 (kept); 128,1,4 +
+# 128,2,4 7.482-7.545; 64-wide K steps x 6 stages 7.523-7.559; 256 x 3 7.545-7.583; 128,4,4 +
+# 128,8,4 7.564-7.603. About 1%, not the ~4% the floors allow: not profiled further. Shapes not listed
+# stay on cuBLAS.
+FEW_ROWS_MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {(5120, 2048): (128, 2, 4), (2048, 4096): (128, 4, 4)}
 
 
 def _few_rows_env_tiles() -> dict[tuple[int, int], tuple[int, ...]]:

@@ -248,8 +248,18 @@ def residual_sum(x_ptr, res_ptr, ks, K, stride_xk):
 def residual_inv_rms(x_ptr, res_ptr, new_res_ptr, K, stride_xk, eps, store, BLOCK: tl.constexpr):
     """1 / rms of x + residual over all K columns; the program with ``store`` also writes x + residual
     (the new residual stream) to ``new_res_ptr``."""
-    ss = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
+    h0 = residual_sum(x_ptr, res_ptr, tl.arange(0, BLOCK), K, stride_xk)
+    return residual_inv_rms_after(h0, x_ptr, res_ptr, new_res_ptr, K, stride_xk, eps, store, BLOCK)
+
+
+@triton.jit
+def residual_inv_rms_after(h0, x_ptr, res_ptr, new_res_ptr, K, stride_xk, eps, store, BLOCK: tl.constexpr):
+    """``residual_inv_rms`` given its first block's x + residual ``h0`` (columns 0 .. BLOCK - 1)."""
+    ks = tl.arange(0, BLOCK)
+    if store:
+        tl.store(new_res_ptr + ks, h0.to(new_res_ptr.dtype.element_ty), mask=ks < K)
+    ss = h0 * h0
+    for k0 in range(BLOCK, K, BLOCK):
         ks = k0 + tl.arange(0, BLOCK)
         h = residual_sum(x_ptr, res_ptr, ks, K, stride_xk)
         if store:

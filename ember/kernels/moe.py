@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import arrival_counters, early_loads, env_ints, pdl_options, pdl_start, residual_inv_rms, residual_sum, round_to
+from ember.kernels._common import (arrival_counters, early_loads, env_ints, pdl_options, pdl_start, residual_inv_rms,
+                                   residual_inv_rms_after, residual_sum, round_to)
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -219,16 +220,8 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     if ADD_NORM and EARLY:
         # residual_inv_rms and _router_input with block 0's residual sum computed once
         h0 = residual_sum(x_ptr + t * stride_x, res_ptr + t * H, ks, H, 1)
-        if j == 0:
-            tl.store(new_res_ptr + t * H + ks, h0.to(new_res_ptr.dtype.element_ty), mask=ks < H)
-        ss = h0 * h0
-        for k0 in range(BLOCK_H, H, BLOCK_H):
-            kr = k0 + tl.arange(0, BLOCK_H)
-            hr = residual_sum(x_ptr + t * stride_x, res_ptr + t * H, kr, H, 1)
-            if j == 0:
-                tl.store(new_res_ptr + t * H + kr, hr.to(new_res_ptr.dtype.element_ty), mask=kr < H)
-            ss += hr * hr
-        inv_rms = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+        inv_rms = residual_inv_rms_after(h0, x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps,
+                                         j == 0, BLOCK_H)
         normed0 = round_to(h0 * inv_rms * lw0, x_ptr.dtype.element_ty)
         if j == 0:
             tl.store(normed_ptr + t * H + ks, normed0, mask=ks < H)

@@ -18,6 +18,9 @@
   sm_90+ takes ``_scaled_mm_tma_kernel`` (tiles fed by TMA descriptors); the rest takes the
   pointer-fed ``_scaled_mm_kernel``.
 
+``few_rows_linear`` runs the few-row kernel on unscaled bf16 / fp16 weights (``ember.ops.linear``'s
+2..16-row path for the shapes in FEW_ROWS_MEASURED).
+
 Scales are read through (row, column) strides, so one kernel serves every granularity: stride 0
 broadcasts a tensor scale, per-row / per-column scales stride along one axis, and 128-blocks stride
 along K (applied to each 128-wide K step) and along N in groups of 128.

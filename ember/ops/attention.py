@@ -435,9 +435,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention of one query token per row over the first ``seq_lens[b]`` cache entries; [B, NH * D].
 
     On sm_90+ the kernel reads ``seq_lens`` before waiting for the kernel launched just before it
-    (programmatic dependent launch; ``EMBER_EARLY_LOADS``): lengths written by torch ops, or two or
-    more ember kernels back, as the engine's are, are fine; not ones an ember kernel writes right
-    before this call.
+    (programmatic dependent launch; ``EMBER_EARLY_LOADS=none`` turns that off): write the lengths two
+    or more kernels earlier in the stream, as the engine does (once per step, before the layers),
+    not in the kernel launched right before this call.
 
     Example:
         >>> q, kc, vc = torch.randn(1, 4, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)

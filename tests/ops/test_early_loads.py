@@ -13,7 +13,6 @@ from ember.ops import attention as A
 from tests.ops.test_moe import quantize
 
 moe_ops = importlib.import_module("ember.ops.moe")  # the module (ember.ops.moe is also the op's name)
-FP8 = torch.float8_e4m3fn
 
 
 def test_switch_parsing(monkeypatch):

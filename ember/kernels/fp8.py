@@ -551,10 +551,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
         cfg["BLOCK_K"] = SCALE_BLOCK  # one K scale block per step
     if a.dtype == torch.float32 and cfg["BLOCK_M"] > 1:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 64)  # fp32 tiles: keep shared memory in bounds
-    split = cfg["SPLIT_K"]
     bk = cfg["BLOCK_K"]
-    k_per_split = -(-K // (split * bk)) * bk
-    split = -(-K // k_per_split)
+    k_per_split, split, ws = _k_split(M, N, K, cfg["SPLIT_K"], bk, out)
     # scale strides: (row/K axis, column/N axis); 0 broadcasts
     if kind_a is None:
         sa, s_am, s_ak = b, 0, 0  # unused pointer
@@ -565,7 +563,6 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
     else:
         sa, s_am, s_ak = scale_a, scale_a.stride(0), scale_a.stride(1)
     s_bk, s_bn, group = _b_scale_strides(scale_b, kind_b)
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     if skinny:
         _skinny_mm_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
             a, b, sa, scale_b, bias if bias is not None else out, out, ws,
@@ -589,12 +586,27 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
             IEEE=a.device.type != "cuda" or a.dtype == torch.float32, MAX_IMPRECISE=_max_imprecise() if fp8_dot else 0,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _reduce_splits(ws, bias, out, split, {})
+    return out
+
+
+def _k_split(M: int, N: int, K: int, split: int, bk: int, out: torch.Tensor):
+    """(K per split, a whole number of bk steps; the splits that cover K; the fp32 workspace of their
+    partials, or ``out`` itself when K is not split)."""
+    k_per_split = -(-K // (split * bk)) * bk
+    split = -(-K // k_per_split)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=out.device) if split > 1 else out
+    return k_per_split, split, ws
+
+
+def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split: int, pdl: dict) -> None:
+    """out = sum of the ``split`` partials in ``ws`` (fixed order) + bias, when K was split."""
     if split > 1:
+        M, N = out.shape
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(M * N, block),)](
             ws, bias if bias is not None else out, out, M, N, out.stride(0), out.stride(1),
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
-    return out
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl)
 
 
 def _launch_tma(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, cfg) -> torch.Tensor:
@@ -678,15 +690,13 @@ def few_rows_config(N: int, K: int) -> dict | None:
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """x [M, K] (2 <= M <= 16, unit stride along K) @ weight [N, K].T (+ bias), weight K-contiguous and
-    of x's dtype; fp32 accumulation, one rounding (split K: fixed-order fp32 sums, then one rounding)."""
+    """x [M, K] (2 <= M <= 16, any strides) @ weight [N, K].T (+ bias), weight K-contiguous and of x's
+    dtype; fp32 accumulation, one rounding (split K: fixed-order fp32 sums, then one rounding)."""
     M, K = x.shape
     N = weight.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     bk = cfg["BLOCK_K"]
-    k_per_split = -(-K // (cfg["SPLIT_K"] * bk)) * bk
-    split = -(-K // k_per_split)
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    k_per_split, split, ws = _k_split(M, N, K, cfg["SPLIT_K"], bk, out)
     on_gpu = x.device.type == "cuda"
     pdl = pdl_options(x.device)
     _skinny_mm_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
@@ -697,9 +707,5 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         A_SCALED=False, K_BLOCKED=False, SB_N_GROUP=1, HAS_BIAS=bias is not None, SPLIT_K=split,
         DOT_F32=not on_gpu, IEEE=not on_gpu or x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=bk, B_SCALED=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
-    if split > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(M * N, block),)](
-            ws, bias if bias is not None else out, out, M, N, out.stride(0), out.stride(1),
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl)
+    _reduce_splits(ws, bias, out, split, pdl)
     return out

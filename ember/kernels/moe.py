@@ -167,16 +167,22 @@ def _sigmoid_topk_of_row(logits_ptr, row, E, bias_ptr, scaling, TOP_K: tl.conste
 
 
 @triton.jit
+def _router_normed(hv, lw, inv_rms, normed_ptr, t, j, ks, H, dt: tl.constexpr):
+    """add_rmsnorm's output at columns ks (rounded to ``dt``) as fp32; program j == 0 stores it."""
+    normed = round_to(hv * inv_rms * lw, dt)
+    if j == 0:
+        tl.store(normed_ptr + t * H + ks, normed, mask=ks < H)
+    return normed.to(tl.float32)
+
+
+@triton.jit
 def _router_input(x_ptr, res_ptr, lnw_ptr, normed_ptr, t, j, stride_x, ks, H, inv_rms, ADD_NORM: tl.constexpr):
     """The router's input for columns ks of token t (fp32): x itself, or add_rmsnorm's output, which
     program j == 0 also stores (rows of H)."""
     if ADD_NORM:
         hv = residual_sum(x_ptr + t * stride_x, res_ptr + t * H, ks, H, 1)
         lw = tl.load(lnw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
-        normed = round_to(hv * inv_rms * lw, x_ptr.dtype.element_ty)
-        if j == 0:
-            tl.store(normed_ptr + t * H + ks, normed, mask=ks < H)
-        xv = normed.to(tl.float32)
+        xv = _router_normed(hv, lw, inv_rms, normed_ptr, t, j, ks, H, x_ptr.dtype.element_ty)
     else:
         xv = tl.load(x_ptr + t * stride_x + ks, mask=ks < H, other=0.0).to(tl.float32)
     return xv
@@ -222,10 +228,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
         h0 = residual_sum(x_ptr + t * stride_x, res_ptr + t * H, ks, H, 1)
         inv_rms = residual_inv_rms_after(h0, x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps,
                                          j == 0, BLOCK_H)
-        normed0 = round_to(h0 * inv_rms * lw0, x_ptr.dtype.element_ty)
-        if j == 0:
-            tl.store(normed_ptr + t * H + ks, normed0, mask=ks < H)
-        xv = normed0.to(tl.float32)
+        xv = _router_normed(h0, lw0, inv_rms, normed_ptr, t, j, ks, H, x_ptr.dtype.element_ty)
     else:
         if ADD_NORM:  # program 0 of the token writes the new residual
             inv_rms = residual_inv_rms(x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps,

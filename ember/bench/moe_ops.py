@@ -229,39 +229,64 @@ def sweep(path: str | None = None, budget_s: float = 120.0, parts: tuple[str, ..
     return results
 
 
-# grouped_prefill tile configs for sweep(): BLOCK_N, BLOCK_K, num_warps, num_stages
-SWEEP_PREFILL = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3),
-                 (128, 64, 8, 4), (64, 64, 8, 4), (256, 64, 8, 3), (128, 32, 4, 4)]
+# Prefill tile sweep for sweep(): per row-block cap, gate_up tiles (down at the default), then down
+# tiles (gate_up at the default), then the best of each together. Fields: BLOCK_N, BLOCK_K, warps,
+# stages (ember.kernels.moe.prefill_configs); shared memory per stage is (BLOCK_M x BLOCK_K + 2 (gate_up)
+# or 1 (down) x BLOCK_K x BLOCK_N) x 2 bytes of the 227 KB, the fp32 accumulators 2 or 1 x BLOCK_M x
+# BLOCK_N over the threads' registers.
+SWEEP_PREFILL = {
+    128: {"gate_up": ["128,64,8,4", "128,64,8,3", "64,64,4,4", "64,128,4,3", "64,64,8,4", "128,32,8,6"],
+          "down": ["128,64,8,4", "256,64,8,3", "256,64,8,4", "128,128,8,3", "256,128,8,2", "64,64,4,4"]},
+    64: {"gate_up": ["128,64,4,4", "128,64,4,5", "64,64,4,4", "128,128,4,2", "64,128,4,3"],
+         "down": ["128,64,4,4", "256,64,8,4", "256,64,4,4", "128,128,4,3", "256,128,8,2"]},
+}
 
 
 def _sweep_prefill(moe, dev, budget_s: float, T: int = 2048) -> dict:
-    """Time grouped-GEMM tile configs for a T-token bf16 prefill (the floor here is compute: ~1.6 TFLOP/layer)."""
+    """Time grouped-GEMM tiles for a T-token bf16 prefill (EMBER_MOE_PREFILL_TILE per variant).
+
+    Floors per layer: all 128 experts' weights, 1.21 GB at 4.15 TB/s -> 291 us, and
+    2 x T x 8 x 3 x 2048 x 768 = 155 GFLOP at 790 TFLOP/s -> 196 us."""
+    import os
     kmod = importlib.import_module("ember.kernels.moe")
-    saved = dict(kmod.GPU_CONFIG["grouped_prefill"])
-    large_smem = kmod._large_smem
-    kmod._large_smem = lambda device: False  # the sweep sets GPU_CONFIG's tiles
     ws = _layers(2, torch.bfloat16, dev, E, H, I)
     xs = [torch.randn(T, H, device=dev, dtype=torch.bfloat16) for _ in ws]
     logits = [torch.randn(T, E, device=dev) for _ in ws]
     calls = [lambda x=x, lg=lg, w=w: moe(x, lg, w[0], w[1], K) for x, lg, w in zip(xs, logits, ws)]
+    default = kmod.prefill_configs(dev)
     expected = calls[0]().float()
     flops = 2 * T * K * 3 * H * I
-    table, t0 = [], time.time()
+    table, t0, saved = [], time.time(), os.environ.get(kmod.PREFILL_TILE_ENV)
+
+    def timed(spec: str) -> float:
+        os.environ[kmod.PREFILL_TILE_ENV] = spec
+        try:
+            diff = (calls[0]().float() - expected).abs().max().item()
+            us = _timing.graph_time_us(calls, replays=10)
+            table.append((us, spec, f"{flops / us / 1e6:.0f} TFLOP/s; max|out - default| {diff:.3g}"))
+        except Exception as exc:  # a tile that does not fit is reported, not fatal
+            us = float("inf")
+            table.append((us, spec, f"{type(exc).__name__}: {exc}"[:200]))
+        print(f"  {us:.1f} us  {spec}", flush=True)
+        return us
+
     try:
-        for bn, bk, warps, stages in SWEEP_PREFILL:
-            if time.time() - t0 > budget_s:
-                break
-            kmod.GPU_CONFIG["grouped_prefill"] = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-            label = f"BN{bn} BK{bk} w{warps} s{stages}"
-            try:
-                diff = (calls[0]().float() - expected).abs().max().item()
-                us = _timing.graph_time_us(calls, replays=10)
-                table.append((us, label, f"{flops / us / 1e6:.0f} TFLOP/s; max|out - default| {diff:.3g}"))
-            except Exception as exc:
-                table.append((float("inf"), label, f"{type(exc).__name__}: {exc}"[:200]))
+        for block_m, parts in SWEEP_PREFILL.items():
+            best = {}
+            for kernel, other in (("gate_up", "down"), ("down", "gate_up")):
+                fixed = ",".join(str(default[other][f]) for f in kmod._TILE_FIELDS.split(","))
+                results = [(timed(f"{kernel}={tile};{other}={fixed};max_block_m={block_m}"), tile)
+                           for tile in parts[kernel] if time.time() - t0 < budget_s]
+                best[kernel] = min(results)[1] if results else None
+            if best["gate_up"] and best["down"]:
+                timed(f"gate_up={best['gate_up']};down={best['down']};max_block_m={block_m}")
     finally:
-        kmod.GPU_CONFIG["grouped_prefill"] = saved
-        kmod._large_smem = large_smem
+        if saved is None:
+            os.environ.pop(kmod.PREFILL_TILE_ENV, None)
+        else:
+            os.environ[kmod.PREFILL_TILE_ENV] = saved
     table.sort(key=lambda r: r[0])
-    print(f"T{T}_bf16_prefill (default {saved})", *[f"{t:.1f} us  {c}  {n}" for t, c, n in table], sep="\n  ", flush=True)
-    return {"floor_us_compute": flops / 790e12 * 1e6, "table": table}
+    print(f"T{T}_bf16_prefill (default {default})", *[f"{t:.1f} us  {c}  {n}" for t, c, n in table[:8]],
+          sep="\n  ", flush=True)
+    return {"floor_us_weights": E * 3 * H * I * 2 / COPY_BW_GBPS / 1e3, "floor_us_compute": flops / 790e12 * 1e6,
+            "default": default, "table": table}

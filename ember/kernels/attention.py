@@ -18,13 +18,12 @@ from ember.kernels._common import arrival_counters, early_loads, env_ints, pdl_o
 
 @triton.jit
 def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, q_ptr,
-                               stride_qkv, stride_cos, skb, skh, sks, svb, svh, svs, eps, T,
+                               stride_qkv, stride_cos, skb, skh, sks, svb, svh, svs, eps,
                                pre_ptr, pre_eps, PRE_N, NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                               PREFILL: tl.constexpr = False, PRENORM: tl.constexpr = False,
+                               PRENORM: tl.constexpr = False,
                                BLOCK_PRE: tl.constexpr = 16, PDL: tl.constexpr = False):
     # One program per (token row, head) for the NH query heads and KVH key heads; key-head programs
-    # also copy that head's v. Decode: row r is cache row r at positions[r]. PREFILL: the rows are
-    # B sequences of T tokens, row r is token r % T (its position) of cache row r // T.
+    # also copy that head's v. Row r is cache row r at positions[r] (prefill: _prefill_qk_norm_rope_kernel).
     # PRENORM (decode): qkv was projected from h * norm_weight (ops.moe_experts_add_scale); every
     # program computes 1 / rms(h) of its row (same code, same value) and scales q, k, v by it. h is
     # read before waiting for the previous kernel: it was written by the kernel before that (the
@@ -43,12 +42,8 @@ def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_pt
     pdl_start(PDL)
     HALF: tl.constexpr = D // 2
     offs = tl.arange(0, HALF)
-    if PREFILL:
-        b = r // T
-        pos = r % T
-    else:
-        b = r
-        pos = tl.load(pos_ptr + r).to(tl.int64)
+    b = r
+    pos = tl.load(pos_ptr + r).to(tl.int64)
     row = qkv_ptr + r * stride_qkv
     if h < NH:
         src = row + h * D
@@ -80,8 +75,9 @@ def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_pt
     tl.store(dst + HALF + offs, round_to(n2 * c + n1 * s, dt))
 
 
-def _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, T, prefill,
-                         prenorm_h=None, prenorm_eps=0.0):
+def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, prenorm_h=None,
+                       prenorm_eps=0.0) -> None:
+    """Decode: qkv [B, F], positions [B], q_out [B, NH, D]; prenorm_h [B, H] (contiguous) or None."""
     rows = qkv.shape[0]
     NH, D = q_out.shape[-2], q_out.shape[-1]
     KVH = k_cache.shape[1]
@@ -94,16 +90,41 @@ def _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_ca
     _qk_norm_rope_cache_kernel[(rows, NH + KVH)](
         qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, T, pre, float(prenorm_eps), pre.shape[-1],
-        NH=NH, KVH=KVH, D=D, PREFILL=prefill, PRENORM=prenorm_h is not None, BLOCK_PRE=block_pre, num_warps=1,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, pre, float(prenorm_eps), pre.shape[-1],
+        NH=NH, KVH=KVH, D=D, PRENORM=prenorm_h is not None, BLOCK_PRE=block_pre, num_warps=1,
         **pdl_options(qkv.device))
 
 
-def qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, prenorm_h=None,
-                       prenorm_eps=0.0) -> None:
-    """Decode: qkv [B, F], positions [B], q_out [B, NH, D]; prenorm_h [B, H] (contiguous) or None."""
-    _launch_qk_norm_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q_out, eps, 1, False,
-                         prenorm_h, prenorm_eps)
+@triton.jit
+def _prefill_qk_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, q_ptr, stride_qkv,
+                                 stride_cos, skb, skh, sks, svb, svh, svs, eps, T, n_rows,
+                                 NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    # One program per (block of BLOCK_T token rows, head); row r is token r % T (its position) of cache
+    # row r // T. Key-head programs also copy that head's v.
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    h = tl.program_id(1)
+    mask = (rows < n_rows)[:, None]
+    b = (rows // T)[:, None]
+    pos = (rows % T)[:, None]
+    offs_d = tl.arange(0, D)
+    src = qkv_ptr + rows[:, None] * stride_qkv
+    cos_row, sin_row = cos_ptr + pos * stride_cos, sin_ptr + pos * stride_cos
+    dt = q_ptr.dtype.element_ty
+    if h < NH:
+        out = _norm_rope_rows(src + h * D, mask, qn_ptr, cos_row, sin_row, offs_d, eps, D, dt, True)
+        tl.store(q_ptr + (rows[:, None] * NH + h) * D + offs_d[None, :], out.to(dt), mask=mask)
+    else:
+        kvh = h - NH
+        out = _norm_rope_rows(src + (NH + kvh) * D, mask, kn_ptr, cos_row, sin_row, offs_d, eps, D, dt, True)
+        tl.store(kc_ptr + b * skb + kvh * skh + pos * sks + offs_d[None, :], out.to(kc_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(src + (NH + KVH + kvh) * D + offs_d[None, :], mask=mask)
+        tl.store(vc_ptr + b * svb + kvh * svh + pos * svs + offs_d[None, :], v, mask=mask)
+
+
+# Token rows per program of the prefill kernel (``EMBER_PREFILL_ROPE_TILE=BLOCK_T,num_warps`` overrides). One (token, head) per one-warp program (the decode
+# kernel's grid: 82k programs of 128 values) took 89.6 us per Qwen3-30B-A3B layer at 2048 tokens on
+# the H200 (bench/profile_llm.py), against a ~10 us floor (41 MB moved at 4.15 TB/s).
+PREFILL_ROPE_ROWS = {"cuda": (16, 4), "cpu": (4, 1)}  # (BLOCK_T, num_warps)
 
 
 def prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, q_out, eps) -> None:
@@ -112,15 +133,26 @@ def prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, 
     if qkv.stride(2) != 1 or qkv.stride(0) != T * qkv.stride(1):  # rows must be evenly spaced
         qkv = qkv.contiguous()
     flat = qkv.as_strided((B * T, F), (qkv.stride(1), 1))
-    _launch_qk_norm_rope(flat, q_norm, k_norm, cos, sin, flat, k_cache, v_cache, q_out, eps, T, True)
+    NH, D = q_out.shape[-2], q_out.shape[-1]
+    KVH = k_cache.shape[1]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block_t, warps = (env_ints("EMBER_PREFILL_ROPE_TILE", "BLOCK_T,num_warps")
+                      or PREFILL_ROPE_ROWS["cuda" if qkv.device.type == "cuda" else "cpu"])
+    if block_t & (block_t - 1):
+        raise ValueError(f"EMBER_PREFILL_ROPE_TILE: BLOCK_T must be a power of 2, got {block_t}")
+    _prefill_qk_norm_rope_kernel[(triton.cdiv(B * T, block_t), NH + KVH)](
+        flat, q_norm, k_norm, cos, sin, k_cache, v_cache, q_out, flat.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), eps, T, B * T, NH=NH, KVH=KVH, D=D, BLOCK_T=block_t, num_warps=warps)
 
 
 @triton.jit
-def _norm_rope_rows(src, mask, w_ptr, cos_row, sin_row, offs_d, eps, D: tl.constexpr, dt: tl.constexpr):
+def _norm_rope_rows(src, mask, w_ptr, cos_row, sin_row, offs_d, eps, D: tl.constexpr, dt: tl.constexpr,
+                    PER_ROW: tl.constexpr = False):
     """Rows ``src[r] + offs_d`` ([R, 1] pointers, [R, 1] mask) per-head RMSNormed and rotated (rotate-half
-    RoPE at the position whose cos/sin rows are given), as fp32 values of the I/O dtype ``dt``: the math
-    and roundings of _qk_norm_rope_cache_kernel in a [R, D] layout (each element's rotation partner
-    loaded a second time instead of splitting the halves)."""
+    RoPE at the position whose cos/sin rows are given; PER_ROW: [R, 1] pointers, one position per row),
+    as fp32 values of the I/O dtype ``dt``: the math and roundings of _qk_norm_rope_cache_kernel in a
+    [R, D] layout (each element's rotation partner loaded a second time instead of splitting the halves)."""
     HALF: tl.constexpr = D // 2
     rot = (offs_d + HALF) % D
     x = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -128,8 +160,12 @@ def _norm_rope_rows(src, mask, w_ptr, cos_row, sin_row, offs_d, eps, D: tl.const
     inv_rms = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
     n = round_to(x * inv_rms * tl.load(w_ptr + offs_d).to(tl.float32)[None, :], dt).to(tl.float32)
     nr = round_to(xr * inv_rms * tl.load(w_ptr + rot).to(tl.float32)[None, :], dt).to(tl.float32)
-    c = round_to(tl.load(cos_row + offs_d % HALF), dt).to(tl.float32)[None, :]
-    s = round_to(tl.load(sin_row + offs_d % HALF), dt).to(tl.float32)[None, :]
+    if PER_ROW:
+        c = round_to(tl.load(cos_row + (offs_d % HALF)[None, :]), dt).to(tl.float32)
+        s = round_to(tl.load(sin_row + (offs_d % HALF)[None, :]), dt).to(tl.float32)
+    else:
+        c = round_to(tl.load(cos_row + offs_d % HALF), dt).to(tl.float32)[None, :]
+        s = round_to(tl.load(sin_row + offs_d % HALF), dt).to(tl.float32)[None, :]
     out = tl.where((offs_d < HALF)[None, :], n * c - nr * s, n * c + nr * s)
     return round_to(out, dt).to(tl.float32)
 

@@ -18,7 +18,8 @@ Three paths, picked by the token count T (all capturable: no host syncs, shapes 
   stores one weighted float32 row per (token, expert) pair; ``_combine_pairs_kernel`` sums a token's
   rows in a fixed order and casts (no atomics: the same bits every run).
 * T > 16 (prefill): (token, expert) pairs sorted by expert on the device (``_align``), padded to
-  blocks of BLOCK_M rows of one expert; the same grouped kernels run over the blocks.
+  blocks of BLOCK_M rows of one expert; the same grouped kernels run over the blocks (their own
+  tiles, ``prefill_configs``), the pair rows in the activation dtype (``_pair_rows_dtype``).
 
 FP8 weights are converted to the activation dtype in registers (exact for e4m3 in bf16/fp16/fp32);
 row scales multiply the accumulator at the end, 128x128 block scales each 128-wide K slice.
@@ -31,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels._common import (arrival_counters, early_loads, env_ints, pdl_options, pdl_start, residual_inv_rms,
-                                   residual_inv_rms_after, residual_sum, round_to)
+from ember.kernels._common import (arrival_counters, early_loads, env_ints, parse_ints, pdl_options, pdl_start,
+                                   residual_inv_rms, residual_inv_rms_after, residual_sum, round_to)
 
 FP8 = torch.float8_e4m3fn
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
@@ -773,8 +774,8 @@ def _down_grouped_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, tw_ptr, sorted_pairs_
         # one row per (token, expert) pair, summed in a fixed order by _combine_pairs_kernel: an
         # atomic_add into the token's row summed in arrival order, so prefill and batched decode
         # differed run to run in the last bit (enough to flip a near-tied greedy token)
-        tl.store(pair_out_ptr + pairs[:, None].to(tl.int64) * H + cols[None, :], acc,
-                 mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(pair_out_ptr + pairs[:, None].to(tl.int64) * H + cols[None, :],
+                 acc.to(pair_out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -800,16 +801,24 @@ def _combine_pairs_kernel(pair_out_ptr, out_ptr, H, res_ptr, lnw_ptr, scaled_ptr
             e_j = tl.load(ids_ptr + t * TOP_K + j)
             earlier = tl.sum(((row_ids == e_j) & (kk < j)).to(tl.int32), axis=0)
             keep = mask & ((earlier + tl.zeros([BLOCK], dtype=tl.int32)) == 0)  # [BLOCK]: the interpreter wants it
-        acc += tl.load(pair_out_ptr + (t * TOP_K + j) * H + cols, mask=keep, other=0.0)
+        acc += tl.load(pair_out_ptr + (t * TOP_K + j) * H + cols, mask=keep, other=0.0).to(tl.float32)
     _store_out_or_fold(acc, out_ptr, t, H, cols, mask, r, lw, scaled_ptr, H, FOLD)
 
 
 # ============================================================================ launch helpers
 # Prefill tiles for bf16/fp16 activations on GPUs with >= 200 KB of shared memory per block
-# (H100/H200: 227 KB): 4 stages of 128-wide N tiles need 192 KB (fp32 activations: 240 KB, too
-# much). H200, 2048-token bf16 prefill at Qwen3-30B-A3B shapes (ember.bench.moe_ops.sweep): 704 us
-# vs 741 us for GPU_CONFIG's tiles.
-GPU_PREFILL_LARGE_SMEM = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
+# (H100/H200: 227 KB), per kernel, and the largest row block (``_prefill_block_m``). H200, 2048-token
+# bf16 prefill at Qwen3-30B-A3B shapes, MoE op per layer (ember.bench.moe_ops.sweep,
+# bench/results/h200/moe_prefill_sweep.json): 128 x 128 tiles, 64-wide K steps, 8 warps, 4 stages for
+# both kernels 670 us (704 in an earlier run, against 741 for GPU_CONFIG's tiles); down with 256-wide
+# N tiles 628 us (half the programs, each re-reading its rows of h half as often; its 12 K steps
+# leave little to pipeline); no gate_up tile beat the default; 64-row blocks (less padding, more
+# weight re-reads) 677-880 us. Both kernels take 192 KB of shared memory; fp32 activations would need
+# twice that, so they keep GPU_CONFIG's tiles. Floors: 1.21 GB of weights -> 291 us, 155 GFLOP -> 196 us.
+GPU_PREFILL_LARGE_SMEM = {"gate_up": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+                          "down": dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4), "max_block_m": 128}
+PREFILL_TILE_ENV = "EMBER_MOE_PREFILL_TILE"
+_TILE_FIELDS = "BLOCK_N,BLOCK_K,num_warps,num_stages"
 
 
 def _large_smem(device: torch.device) -> bool:
@@ -817,17 +826,44 @@ def _large_smem(device: torch.device) -> bool:
     return getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024
 
 
-def _config(name: str, device: torch.device, act_bytes: int = 2) -> dict:
-    """Launch config by name; ``act_bytes``: activation element size (fp32 tiles need twice the
-    shared memory, so they keep GPU_CONFIG's prefill tiles)."""
-    if name == "grouped_prefill" and device.type == "cuda" and act_bytes <= 2 and _large_smem(device):
-        return dict(GPU_PREFILL_LARGE_SMEM)
+def _config(name: str, device: torch.device) -> dict:
+    """Launch config by name (GPU_CONFIG or CPU_CONFIG), with the decode-step sweeps' env override."""
     cfg = dict((GPU_CONFIG if device.type == "cuda" else CPU_CONFIG)[name])
     names = "BLOCK_N,BLOCK_K,num_warps" + (",num_stages" if "num_stages" in cfg else "")
     tile = env_ints(GEMV_ENV[name], names) if name in GEMV_ENV else None
     if tile is not None:  # decode-step sweeps (bench/step_variants.py)
         cfg.update(zip(names.split(","), tile))
     return cfg
+
+
+def prefill_configs(device: torch.device, act_bytes: int = 2) -> dict:
+    """Tiles of the prefill (T > 16) grouped kernels: ``{"gate_up": cfg, "down": cfg, "max_block_m": n}``.
+
+    ``act_bytes``: activation element size (fp32 tiles need twice the shared memory, so they keep
+    GPU_CONFIG's). ``EMBER_MOE_PREFILL_TILE`` overrides parts, for sweeps (read per call), e.g.
+    ``gate_up=128,64,8,4;down=256,64,8,3;max_block_m=64`` (tile fields: BLOCK_N, BLOCK_K, num_warps,
+    num_stages; max_block_m a power of 2 from 16 to 128).
+    """
+    if device.type == "cuda" and act_bytes <= 2 and _large_smem(device):
+        cfgs = {k: (dict(v) if isinstance(v, dict) else v) for k, v in GPU_PREFILL_LARGE_SMEM.items()}
+    else:
+        tile = _config("grouped_prefill", device)
+        cfgs = {"gate_up": tile, "down": dict(tile), "max_block_m": 128}
+    for part in filter(None, (p.strip() for p in os.environ.get(PREFILL_TILE_ENV, "").split(";"))):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key in ("gate_up", "down"):
+            tile = dict(zip(_TILE_FIELDS.split(","), parse_ints(f"{PREFILL_TILE_ENV} {key}", value, _TILE_FIELDS)))
+            if SCALE_BLOCK % tile["BLOCK_K"] or tile["BLOCK_K"] < 16 or tile["BLOCK_N"] & (tile["BLOCK_N"] - 1):
+                raise ValueError(f"{PREFILL_TILE_ENV} {key}: BLOCK_K must be 16, 32, 64 or 128 (a K slice sits "
+                                 f"inside one 128-wide scale block) and BLOCK_N a power of 2, got {value!r}")
+            cfgs[key] = tile
+        elif key == "max_block_m" and value.strip() in ("16", "32", "64", "128"):
+            cfgs[key] = int(value)
+        else:
+            raise ValueError(f"{PREFILL_TILE_ENV}: expected 'gate_up=BN,BK,warps,stages', 'down=...' or "
+                             f"'max_block_m=16|32|64|128' parts separated by ';', got {part!r}")
+    return cfgs
 
 
 # tile overrides for decode-step sweeps: the v1 T=1 GEMVs and the 2..16-token grouped kernels
@@ -930,7 +966,8 @@ def _align(topk_ids: torch.Tensor, E: int, block_m: int):
     flat = topk_ids.reshape(-1).long()
     P = flat.numel()
     n_blocks = -(-(P + min(E, P) * (block_m - 1)) // block_m)
-    sorted_e, order = torch.sort(flat, stable=True)
+    sorted_e, order = torch.sort(flat.to(_sort_key_dtype(E)), stable=True)
+    sorted_e = sorted_e.long()
     counts = torch.zeros(E, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
@@ -944,11 +981,34 @@ def _align(topk_ids: torch.Tensor, E: int, block_m: int):
     return sorted_pairs, block_expert, n_blocks
 
 
-def _prefill_block_m(T: int, top_k: int, E: int) -> int:
+def _sort_key_dtype(E: int) -> torch.dtype:
+    """The narrowest integer dtype holding expert ids < E: the GPU radix sort takes one pass per key
+    byte. ``EMBER_MOE_SORT_KEYS=int64`` keeps the ids' own width (A/B)."""
+    if os.environ.get("EMBER_MOE_SORT_KEYS", "narrow") == "int64":
+        return torch.int64
+    return torch.uint8 if E <= 256 else torch.int16 if E <= 1 << 15 else torch.int32
+
+
+def _pair_rows_dtype(x: torch.Tensor, decode: bool) -> torch.dtype:
+    """dtype of the grouped path's weighted per-(token, expert) rows, which the combine sums in float32.
+
+    Prefill: the activation dtype (each row rounded once, as transformers rounds every expert's
+    output, before a float32 sum). The float32 rows are T x top_k x H x 4 bytes (134 MB a layer at
+    2048 Qwen3-30B-A3B tokens), written and read once more: H200 2048-token prefill, same run
+    (bench/prefill_variants.py, bench/results/h200/prefill_variants.json): 36.92 ms float32 vs 34.87
+    activation dtype. Decode (2-16 tokens) keeps float32 (at most 1 MB). ``EMBER_MOE_PAIR_ROWS=fp32``
+    keeps float32 for prefill too."""
+    env = os.environ.get("EMBER_MOE_PAIR_ROWS", "act")
+    if env not in ("act", "fp32"):
+        raise ValueError(f"EMBER_MOE_PAIR_ROWS: expected 'act' or 'fp32', got {env!r}")
+    return torch.float32 if decode or env == "fp32" else x.dtype
+
+
+def _prefill_block_m(T: int, top_k: int, E: int, max_block_m: int = 128) -> int:
     # One block per expert for most experts keeps the weights read once: size blocks for ~1.5x the
     # mean number of tokens an expert receives.
     mean = T * top_k / E
-    return int(min(128, max(16, triton.next_power_of_2(int(1.5 * mean) + 1))))
+    return int(min(max_block_m, max(16, triton.next_power_of_2(int(1.5 * mean) + 1))))
 
 
 def _down_split(cfg: dict, top_k: int, fp8: bool) -> int:
@@ -1145,31 +1205,31 @@ def _experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None, fol
     if decode:
         block_m, n_groups = 16, T * top_k
         sorted_pairs = block_expert = ids  # unused by the decode grouping
-        cfg = _config("grouped_decode", dev)
+        cfg_gu = cfg_dn = _config("grouped_decode", dev)
     else:
-        block_m = _prefill_block_m(T, top_k, E)
+        cfgs = prefill_configs(dev, x.element_size())
+        cfg_gu, cfg_dn = cfgs["gate_up"], cfgs["down"]
+        block_m = _prefill_block_m(T, top_k, E, cfgs["max_block_m"])
         sorted_pairs, block_expert, n_groups = _align(ids, E, block_m)
-        cfg = _config("grouped_prefill", dev, x.element_size())
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=dev)
     # Not zeroed: prefill writes every pair's row; decode leaves the row of a token's repeated expert
     # unwritten (the first pair carries the summed weight) and the combine skips it (DEDUP). A zeroing
     # launch (T * top_k * H floats a layer) also broke the decode step's chain of dependent launches.
-    pair_out = torch.empty((T * top_k, H), dtype=torch.float32, device=dev)
+    pair_out = torch.empty((T * top_k, H), dtype=_pair_rows_dtype(x, decode), device=dev)
     pdl = pdl_options(dev) if os.environ.get("EMBER_MOE_GROUPED_PDL", "1") != "0" else {}
     # Triton 3.9's interpreter gets bf16 tl.dot wrong (garbage, seen on CPU), so off the GPU the dot
     # runs on float32 copies of the (exactly representable) operands.
     ieee = x.dtype == torch.float32 or dev.type != "cuda"
     common = dict(TOP_K=top_k, SORTED=not decode, IEEE=ieee, BLOCK_M=block_m,
-                  BLOCK_KK=triton.next_power_of_2(top_k), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
+                  BLOCK_KK=triton.next_power_of_2(top_k), **pdl)
     mode, gs_t, gse, gsn, gsk = _scale_args(w_gate_up, gs)
-    _gate_up_grouped_kernel[(n_groups, triton.cdiv(I, cfg["BLOCK_N"]))](
+    _gate_up_grouped_kernel[(n_groups, triton.cdiv(I, cfg_gu["BLOCK_N"]))](
         x, w_gate_up, gs_t, ids, tw, sorted_pairs, block_expert, h, T, H, I, x.stride(0), *w_gate_up.stride(),
-        gse, gsn, gsk, SCALE=mode, **common)
+        gse, gsn, gsk, SCALE=mode, **cfg_gu, **common)
     mode, ds_t, dse, dsn, dsk = _scale_args(w_down, ds)
-    _down_grouped_kernel[(n_groups, triton.cdiv(H, cfg["BLOCK_N"]))](
+    _down_grouped_kernel[(n_groups, triton.cdiv(H, cfg_dn["BLOCK_N"]))](
         h, w_down, ds_t, ids, tw, sorted_pairs, block_expert, pair_out, T, H, I, *w_down.stride(),
-        dse, dsn, dsk, SCALE=mode, **common)
+        dse, dsn, dsk, SCALE=mode, **cfg_dn, **common)
     if out is None:
         out = torch.empty((T, H), dtype=x.dtype, device=dev)
     block = min(1024, triton.next_power_of_2(H))
@@ -1185,6 +1245,8 @@ def _check_block_k():
         for name in ("grouped_decode", "grouped_prefill"):
             # a K slice of the grouped kernels must sit inside one 128-wide scale block
             assert SCALE_BLOCK % cfg[name]["BLOCK_K"] == 0, (name, cfg[name])
+    for name in ("gate_up", "down"):
+        assert SCALE_BLOCK % GPU_PREFILL_LARGE_SMEM[name]["BLOCK_K"] == 0, (name, GPU_PREFILL_LARGE_SMEM)
 
 
 def experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale):
@@ -1230,8 +1292,8 @@ def experts_add_scale(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scal
     return h, scaled
 
 
-# The grouped path's per-pair fp32 rows take T * top_k * H * 4 bytes (a 32k-token Qwen3-30B-A3B
-# prompt: 2.1 GB); longer prompts run in token chunks that keep them under this (each chunk reads
+# The grouped path's per-pair rows take up to T * top_k * H * 4 bytes (float32; half that in bf16;
+# a 32k-token Qwen3-30B-A3B prompt: 2.1 GB); longer prompts run in token chunks that keep them under this (each chunk reads
 # the expert weights again: ~0.3 ms a layer on the H200 for Qwen3-30B-A3B, against ~1.6 ms of
 # compute for a 16k-token chunk).
 PAIR_ROWS_BYTES = 1 << 30

@@ -936,6 +936,72 @@ def test_t1_with_overridden_tiles_interpreter(interpreter, monkeypatch, tile):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_tile_env_parsing(monkeypatch):
+    """EMBER_MOE_PREFILL_TILE (prefill sweeps) sets each grouped kernel's tile and the row-block cap
+    separately; a malformed or scale-block-crossing part names the variable."""
+    from ember import _dispatch
+    K = _dispatch.kernels("moe")
+    cpu = torch.device("cpu")
+    base = K.prefill_configs(cpu)
+    assert base["gate_up"] == base["down"] == K.CPU_CONFIG["grouped_prefill"] and base["max_block_m"] == 128
+    monkeypatch.setenv("EMBER_MOE_PREFILL_TILE", "down=32,64,2,3; max_block_m=32")
+    cfgs = K.prefill_configs(cpu)
+    assert cfgs["down"] == dict(BLOCK_N=32, BLOCK_K=64, num_warps=2, num_stages=3)
+    assert cfgs["gate_up"] == K.CPU_CONFIG["grouped_prefill"] and cfgs["max_block_m"] == 32
+    assert K._prefill_block_m(2048, 8, 128, cfgs["max_block_m"]) == 32
+    for bad in ("down=32,64,2", "gate_up=32,256,4,3", "max_block_m=48", "tiles=1"):
+        monkeypatch.setenv("EMBER_MOE_PREFILL_TILE", bad)
+        with pytest.raises(ValueError, match="EMBER_MOE_PREFILL_TILE"):
+            K.prefill_configs(cpu)
+
+
+@pytest.mark.parametrize("tiles", ["gate_up=32,32,1,1;down=16,16,1,1;max_block_m=16",
+                                   "gate_up=16,64,1,1;down=64,32,1,1;max_block_m=32"])
+def test_prefill_with_overridden_tiles_interpreter(interpreter, monkeypatch, tiles):
+    """The prefill path gives the reference result with separate gate_up / down tiles and a smaller
+    row block (what the prefill sweep runs), bf16-exact operands so the float32 sums agree closely."""
+    monkeypatch.setenv("EMBER_MOE_PREFILL_TILE", tiles)
+    torch.manual_seed(1)
+    E, H, I, k, T = 8, 128, 96, 2, 160  # ~40 pairs an expert: the cap sets the row block
+    x = torch.randn(T, H).bfloat16().float()
+    wgu = (torch.randn(E, 2 * I, H) / 16).bfloat16().float()
+    wd = (torch.randn(E, H, I) / 16).bfloat16().float()
+    logits = torch.randn(T, E)
+    got = ember.ops.moe(x, logits, wgu, wd, k, renormalize=True)
+    want = moe_ops.moe_reference(x, logits, wgu, wd, k, renormalize=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_pair_rows_and_sort_keys_interpreter(interpreter, monkeypatch, dtype):
+    """Prefill pair rows in the activation dtype (the default) and in float32 both match the float64
+    experts at the dtype's tolerance; narrow sort keys give the same bits as int64 ones (the same stable
+    order); a bad EMBER_MOE_PAIR_ROWS is named."""
+    torch.manual_seed(2)
+    E, H, I, k, T = 8, 96, 64, 3, 48
+    x = torch.randn(T, H).to(dtype)
+    wgu, wd = (torch.randn(E, 2 * I, H) / 8).to(dtype), (torch.randn(E, H, I) / 8).to(dtype)
+    tw, tid = moe_ops.moe_route_reference(torch.randn(T, E), k)
+    want = float64_experts(x, wgu, wd, tw, tid)
+    got = {}
+    for rows, keys in (("act", "narrow"), ("fp32", "narrow"), ("act", "int64")):
+        monkeypatch.setenv("EMBER_MOE_PAIR_ROWS", rows)
+        monkeypatch.setenv("EMBER_MOE_SORT_KEYS", keys)
+        got[rows, keys] = ember.ops.moe_experts(x, wgu, wd, tw, tid)
+        assert_close(got[rows, keys], want.to(dtype), dtype)
+    assert torch.equal(got["act", "narrow"], got["act", "int64"])
+    monkeypatch.setenv("EMBER_MOE_PAIR_ROWS", "bf16")
+    with pytest.raises(ValueError, match="EMBER_MOE_PAIR_ROWS"):
+        ember.ops.moe_experts(x, wgu, wd, tw, tid)
+
+
+def test_sort_key_dtype():
+    from ember import _dispatch
+    K = _dispatch.kernels("moe")
+    assert [K._sort_key_dtype(e) for e in (8, 256, 257, 1 << 15, (1 << 15) + 1)] == \
+        [torch.uint8, torch.uint8, torch.int16, torch.int16, torch.int32]
+
+
 # ------------------------------------------------------------------ experts + residual + next norm scale (one token)
 def float64_add_scale(x, wgu, wd, tw, tid, res, lnw, gs=None, ds=None):
     """The experts' sum rounded to x.dtype, plus the residual rounded again (add_rmsnorm's residual

@@ -121,9 +121,11 @@ def _prefill_qk_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_p
         tl.store(vc_ptr + b * svb + kvh * svh + pos * svs + offs_d[None, :], v, mask=mask)
 
 
-# Token rows per program of the prefill kernel (``EMBER_PREFILL_ROPE_TILE=BLOCK_T,num_warps`` overrides). One (token, head) per one-warp program (the decode
-# kernel's grid: 82k programs of 128 values) took 89.6 us per Qwen3-30B-A3B layer at 2048 tokens on
-# the H200 (bench/profile_llm.py), against a ~10 us floor (41 MB moved at 4.15 TB/s).
+# Token rows per program of the prefill kernel (``EMBER_PREFILL_ROPE_TILE=BLOCK_T,num_warps`` overrides).
+# One (token, head) per one-warp program (the decode kernel's grid: 82k programs of 128 values) took
+# 89.6 us per Qwen3-30B-A3B layer at 2048 tokens on the H200 (bench/profile_llm.py), against a ~10 us
+# floor (41 MB moved at 4.15 TB/s); 16-token blocks of 4 warps 29 us. 2048-token prefill, same run
+# (bench/results/h200/prefill_variants.json): 16 x 4 36.92 ms, 32 x 4 37.11, 16 x 8 37.23, 8 x 2 37.61.
 PREFILL_ROPE_ROWS = {"cuda": (16, 4), "cpu": (4, 1)}  # (BLOCK_T, num_warps)
 
 

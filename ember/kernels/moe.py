@@ -984,7 +984,10 @@ def _align(topk_ids: torch.Tensor, E: int, block_m: int):
 def _sort_key_dtype(E: int) -> torch.dtype:
     """The narrowest integer dtype holding expert ids < E: the GPU radix sort takes one pass per key
     byte. ``EMBER_MOE_SORT_KEYS=int64`` keeps the ids' own width (A/B)."""
-    if os.environ.get("EMBER_MOE_SORT_KEYS", "narrow") == "int64":
+    env = os.environ.get("EMBER_MOE_SORT_KEYS", "narrow")
+    if env not in ("narrow", "int64"):
+        raise ValueError(f"EMBER_MOE_SORT_KEYS: expected 'narrow' or 'int64', got {env!r}")
+    if env == "int64":
         return torch.int64
     return torch.uint8 if E <= 256 else torch.int16 if E <= 1 << 15 else torch.int32
 

@@ -186,6 +186,21 @@ def test_prefill_kernel_matches_reference_interpreter(interpreter, dtype, gate):
     assert torch.equal(kc[:, :, T:], kc2[:, :, T:]) and torch.equal(kc[B], kc2[B])  # nothing else written
 
 
+def test_prefill_rope_tile_override_interpreter(interpreter, monkeypatch):
+    """EMBER_PREFILL_ROPE_TILE (prefill sweeps) changes only how token rows are grouped into programs:
+    the same bits as the default tile; a BLOCK_T that is not a power of 2 is named."""
+    B, T, NH, KVH, D, S = 2, 5, 4, 2, 16, 8
+    qkv, qn, kn, cos, sin, kc, vc = _prefill_inputs(B, T, NH, KVH, D, S, torch.bfloat16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc, vc, num_heads=NH)
+    monkeypatch.setenv("EMBER_PREFILL_ROPE_TILE", "2,1")
+    q2 = A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc2, vc2, num_heads=NH)
+    assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    monkeypatch.setenv("EMBER_PREFILL_ROPE_TILE", "3,1")
+    with pytest.raises(ValueError, match="EMBER_PREFILL_ROPE_TILE"):
+        A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc2, vc2, num_heads=NH)
+
+
 def test_prefill_bad_input():
     B, T, NH, KVH, D, S = 1, 4, 4, 2, 16, 8
     qkv, qn, kn, cos, sin, kc, vc = _prefill_inputs(B, T, NH, KVH, D, S, torch.float32)

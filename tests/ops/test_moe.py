@@ -993,6 +993,10 @@ def test_prefill_pair_rows_and_sort_keys_interpreter(interpreter, monkeypatch, d
     monkeypatch.setenv("EMBER_MOE_PAIR_ROWS", "bf16")
     with pytest.raises(ValueError, match="EMBER_MOE_PAIR_ROWS"):
         ember.ops.moe_experts(x, wgu, wd, tw, tid)
+    monkeypatch.setenv("EMBER_MOE_PAIR_ROWS", "act")
+    monkeypatch.setenv("EMBER_MOE_SORT_KEYS", "int8")
+    with pytest.raises(ValueError, match="EMBER_MOE_SORT_KEYS"):
+        ember.ops.moe_experts(x, wgu, wd, tw, tid)
 
 
 def test_sort_key_dtype():

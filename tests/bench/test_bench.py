@@ -128,3 +128,28 @@ def test_moe_suite_quick_judges_5x_only_against_hf_compiled(monkeypatch):
     assert len(default) == len(ember_backend) == 2 and min(default + ember_backend) > 0
     assert backend.baseline == pytest.approx(statistics.median(default))
     assert backend.ember == pytest.approx(statistics.median(ember_backend))
+
+
+class _ScriptedGenerate:
+    """A stand-in for an HF model whose generate sleeps a scripted time per call (in call order)."""
+
+    def __init__(self, seconds):
+        self.seconds = list(seconds)
+
+    def generate(self, ids, max_new_tokens, **kw):
+        import time
+        time.sleep(self.seconds.pop(0))
+
+
+def test_hf_decode_rate_measures_again_after_an_impossible_pair():
+    import torch
+    from ember.bench import moe as moe_bench
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    # warm-up, then three 1-token calls and an 8+1-token call faster than them (a busy host), then a sane pair
+    model = _ScriptedGenerate([0.0, 0.05, 0.05, 0.05, 0.01, 0.02, 0.02, 0.02, 0.1])
+    rate = moe_bench.hf_decode_tok_s(model, ids, 8)
+    assert 8 / 0.1 < rate < 8 / 0.06  # 8 tokens over (0.1 - 0.02) s, with the sleeps' slack
+    assert model.seconds == []
+    bad = _ScriptedGenerate([0.0] + [0.03, 0.03, 0.03, 0.0] * 3)
+    with pytest.raises(RuntimeError, match="three times"):
+        moe_bench.hf_decode_tok_s(bad, ids, 8)

@@ -21,14 +21,19 @@ def top_kernels(fn, title: str, rows: int = 22) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
 
 
-def main(layers: int = 4) -> None:
+def make_models(layers: int):
+    """(HF model, ember Model over its tensors): Qwen3-30B-A3B shapes with ``layers`` layers, random weights."""
     cfg = transformers.Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                       moe_intermediate_size=768, num_hidden_layers=layers, num_attention_heads=32,
                                       num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                                       norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False)
     with torch.device("cuda"):
         hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    em = ember_from_hf(hf, cfg, max_seq_len=2048)
+    return hf, ember_from_hf(hf, cfg, max_seq_len=2048)
+
+
+def main(layers: int = 4) -> None:
+    hf, em = make_models(layers)
     ids = torch.randint(100, 500, (1, 2048), device="cuda")
     caches = [(k[:1], v[:1]) for k, v in em.caches]
     with torch.no_grad():

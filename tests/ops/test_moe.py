@@ -975,8 +975,8 @@ def test_prefill_with_overridden_tiles_interpreter(interpreter, monkeypatch, til
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prefill_pair_rows_and_sort_keys_interpreter(interpreter, monkeypatch, dtype):
     """Prefill pair rows in the activation dtype (the default) and in float32 both match the float64
-    experts at the dtype's tolerance; narrow sort keys give the same bits as int64 ones (the same stable
-    order); a bad EMBER_MOE_PAIR_ROWS is named."""
+    experts at the dtype's tolerance; the align kernels and the torch align (narrow or int64 sort keys)
+    give the same bits (the same stable order); bad switch values are named."""
     torch.manual_seed(2)
     E, H, I, k, T = 8, 96, 64, 3, 48
     x = torch.randn(T, H).to(dtype)
@@ -984,12 +984,15 @@ def test_prefill_pair_rows_and_sort_keys_interpreter(interpreter, monkeypatch, d
     tw, tid = moe_ops.moe_route_reference(torch.randn(T, E), k)
     want = float64_experts(x, wgu, wd, tw, tid)
     got = {}
-    for rows, keys in (("act", "narrow"), ("fp32", "narrow"), ("act", "int64")):
+    for rows, align, keys in (("act", "triton", "narrow"), ("fp32", "triton", "narrow"), ("act", "torch", "narrow"),
+                              ("act", "torch", "int64")):
         monkeypatch.setenv("EMBER_MOE_PAIR_ROWS", rows)
+        monkeypatch.setenv("EMBER_MOE_ALIGN", align)
         monkeypatch.setenv("EMBER_MOE_SORT_KEYS", keys)
-        got[rows, keys] = ember.ops.moe_experts(x, wgu, wd, tw, tid)
-        assert_close(got[rows, keys], want.to(dtype), dtype)
-    assert torch.equal(got["act", "narrow"], got["act", "int64"])
+        got[rows, align, keys] = ember.ops.moe_experts(x, wgu, wd, tw, tid)
+        assert_close(got[rows, align, keys], want.to(dtype), dtype)
+    assert torch.equal(got["act", "triton", "narrow"], got["act", "torch", "narrow"])
+    assert torch.equal(got["act", "torch", "narrow"], got["act", "torch", "int64"])
     monkeypatch.setenv("EMBER_MOE_PAIR_ROWS", "bf16")
     with pytest.raises(ValueError, match="EMBER_MOE_PAIR_ROWS"):
         ember.ops.moe_experts(x, wgu, wd, tw, tid)
@@ -997,6 +1000,34 @@ def test_prefill_pair_rows_and_sort_keys_interpreter(interpreter, monkeypatch, d
     monkeypatch.setenv("EMBER_MOE_SORT_KEYS", "int8")
     with pytest.raises(ValueError, match="EMBER_MOE_SORT_KEYS"):
         ember.ops.moe_experts(x, wgu, wd, tw, tid)
+
+
+@pytest.mark.parametrize("T,k,E,block_m,route", [(40, 2, 8, 16, "random"), (100, 8, 128, 32, "random"),
+                                                   (17, 3, 5, 16, "random"), (300, 8, 256, 64, "random"),
+                                                   (64, 4, 64, 128, "one"), (33, 4, 24, 16, "repeats")])
+def test_align_kernels_match_torch_interpreter(interpreter, T, k, E, block_m, route):
+    """The three align kernels give the torch form's sorted pairs and block experts bit for bit (a
+    stable sort by expert): random routing, every pair on one expert, tokens repeating an expert."""
+    from ember import _dispatch
+    K = _dispatch.kernels("moe")
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
+    if route == "one":
+        ids[:] = E - 1
+    elif route == "repeats":
+        ids[:, 1] = ids[:, 0]
+    sorted_pairs, block_expert, n_blocks = K._align(ids, E, block_m)
+    want_pairs, want_experts, want_n = K._align_torch(ids, E, block_m)
+    assert n_blocks == want_n
+    assert torch.equal(sorted_pairs, want_pairs) and torch.equal(block_expert, want_experts)
+
+
+def test_align_switch(monkeypatch):
+    from ember import _dispatch
+    K = _dispatch.kernels("moe")
+    monkeypatch.setenv("EMBER_MOE_ALIGN", "cub")
+    with pytest.raises(ValueError, match="EMBER_MOE_ALIGN"):
+        K._align(torch.zeros(4, 2, dtype=torch.int32), 8, 16)
 
 
 def test_sort_key_dtype():

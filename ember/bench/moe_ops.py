@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import time
 
 import torch
@@ -247,7 +248,6 @@ def _sweep_prefill(moe, dev, budget_s: float, T: int = 2048) -> dict:
 
     Floors per layer: all 128 experts' weights, 1.21 GB at 4.15 TB/s -> 291 us, and
     2 x T x 8 x 3 x 2048 x 768 = 155 GFLOP at 790 TFLOP/s -> 196 us."""
-    import os
     kmod = importlib.import_module("ember.kernels.moe")
     ws = _layers(2, torch.bfloat16, dev, E, H, I)
     xs = [torch.randn(T, H, device=dev, dtype=torch.bfloat16) for _ in ws]

@@ -1026,6 +1026,11 @@ def _align_chunk(P: int, device: torch.device) -> int:
     return min(1 << 14, max(1 << 10, triton.next_power_of_2(-(-P // 16))))
 
 
+def _align_blocks(P: int, E: int, block_m: int) -> int:
+    """Blocks of the sorted pair list: the bound ceil((P + min(E, P) * (block_m - 1)) / block_m)."""
+    return -(-(P + min(E, P) * (block_m - 1)) // block_m)
+
+
 def _align(topk_ids: torch.Tensor, E: int, block_m: int):
     """Sort the (token, expert) pairs by expert and pad each expert's run to whole blocks of block_m.
 
@@ -1045,7 +1050,7 @@ def _align(topk_ids: torch.Tensor, E: int, block_m: int):
         return _align_torch(topk_ids, E, block_m)
     dev = topk_ids.device
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    n_blocks = -(-(P + min(E, P) * (block_m - 1)) // block_m)
+    n_blocks = _align_blocks(P, E, block_m)
     block_e = triton.next_power_of_2(E)
     counts = torch.empty((n_chunks, block_e), dtype=torch.int32, device=dev)
     offset = torch.empty_like(counts)
@@ -1065,7 +1070,7 @@ def _align_torch(topk_ids: torch.Tensor, E: int, block_m: int):
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     P = flat.numel()
-    n_blocks = -(-(P + min(E, P) * (block_m - 1)) // block_m)
+    n_blocks = _align_blocks(P, E, block_m)
     sorted_e, order = torch.sort(flat.to(_sort_key_dtype(E)), stable=True)
     sorted_e = sorted_e.long()
     counts = torch.zeros(E, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))

@@ -6,24 +6,29 @@ result is wrong; only the time counts), on the same weights and prompt as bench/
     it into the attention kernel could save at most);
   * ``no_pre_norm``: the pre-attention add_rmsnorm launch (what folding it into the previous MoE
     block's down GEMV could save at most);
-  * ``no_both``: both.
+  * ``no_both``: both;
+  * ``no_router``: the post-attention add_rmsnorm + router + routing launch (fixed, distinct experts
+    per layer: what folding the routing into the o_proj GEMV could save at most).
 A fold saves less than its variant: the folded kernel still does the work. Writes a JSON.
 
-    python bench/launch_removal_probe.py OUT_JSON
+    python bench/launch_removal_probe.py OUT_JSON [--fp8] [--names default,no_router,...]
 """
+import argparse
 import json
-import sys
 
 import torch
 
 import ember
 from ember.bench import moe as moe_bench
+from ember.models import qwen3_moe
 from ember.ops import attention as attn_ops
 
+NAMES = ("default", "no_qk_norm", "no_pre_norm", "no_both", "no_router", "default_again")
 
-def main(path: str) -> None:
+
+def main(path: str, fp8: bool = False, names: tuple[str, ...] = NAMES) -> None:
     hf, cfg = moe_bench.make_hf(False, torch.device("cuda"))
-    em = moe_bench.ember_from_hf(hf, cfg, max_seq_len=400, table_len=4096)
+    em = moe_bench.ember_from_hf(hf, cfg, fp8=fp8, max_seq_len=400, table_len=4096)
     ids = torch.randint(100, 1000, (1, 128))
     real_rope, real_norm = attn_ops.qk_norm_rope_cache, ember.ops.add_rmsnorm
     q_buf = {}
@@ -37,13 +42,28 @@ def main(path: str) -> None:
     def no_norm(x, residual, weight, eps=1e-6):  # bounded stand-in: the residual stream only
         return residual, residual
 
-    m = moe_bench.ember_from_hf(hf, cfg, max_seq_len=400, net=em.net)
+    real_route = qwen3_moe.moe_ops.add_rmsnorm_route_hidden
+
+    # made before the capture: a stand-in that made them inside it would add launches of its own
+    fixed = [(torch.full((1, cfg.num_experts_per_tok), 1.0 / cfg.num_experts_per_tok, device="cuda"),
+              torch.randperm(cfg.num_experts, device="cuda")[:cfg.num_experts_per_tok].to(torch.int32)[None])
+             for _ in range(cfg.num_hidden_layers)]
+    calls = []
+
+    def no_route(x, residual, norm_weight, router, top_k, eps=1e-6, **route):
+        """Fixed routing (distinct random experts per layer, equal weights); the residual stream as is."""
+        w, ids = fixed[len(calls) % len(fixed)]
+        calls.append(1)
+        return residual, residual, w, ids
+
+    m = moe_bench.ember_from_hf(hf, cfg, fp8=fp8, max_seq_len=400, net=em.net)
     moe_bench.ember_decode(m, [ids[0].tolist()], 8)  # real prefill, cache and graph
     steps = {}
-    for name in ("default", "no_qk_norm", "no_pre_norm", "no_both", "default_again"):
+    for name in names:
         # only the capture sees the stand-ins; replays then run the captured kernels
         attn_ops.qk_norm_rope_cache = no_rope if name in ("no_qk_norm", "no_both") else real_rope
         ember.ops.add_rmsnorm = no_norm if name in ("no_pre_norm", "no_both") else real_norm
+        qwen3_moe.moe_ops.add_rmsnorm_route_hidden = no_route if name == "no_router" else real_route
         saved = m._greedy
         try:
             m._greedy = True
@@ -53,13 +73,19 @@ def main(path: str) -> None:
             steps[name] = repr(e)[:300]
         finally:
             attn_ops.qk_norm_rope_cache, ember.ops.add_rmsnorm = real_rope, real_norm
+            qwen3_moe.moe_ops.add_rmsnorm_route_hidden = real_route
             m._greedy = saved
         if name not in steps:
             steps[name] = [round(moe_bench.graph_step_ms(m, 1), 4) for _ in range(3)]
         print(name, steps[name], flush=True)
     with open(path, "w") as f:
-        json.dump({"graph_step_ms": steps, "cache": 400}, f, indent=1)
+        json.dump({"graph_step_ms": steps, "cache": 400, "fp8": fp8}, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--names", default=",".join(NAMES))
+    a = ap.parse_args()
+    main(a.out, a.fp8, tuple(a.names.split(",")))

@@ -126,6 +126,13 @@ def _topk_of_row(logits_ptr, row, stride_row, E, TOP_K: tl.constexpr, RENORM: tl
     in_range = offs < E
     logits = tl.load(logits_ptr + row * stride_row + offs, mask=in_range, other=-float("inf"),
                      volatile=VOLATILE).to(tl.float32)
+    return softmax_topk(logits, offs, in_range, TOP_K, RENORM, BLOCK_E, BLOCK_KK, PACKED)
+
+
+@triton.jit
+def softmax_topk(logits, offs, in_range, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_KK: tl.constexpr, PACKED: tl.constexpr = True):
+    """_topk_of_row of fp32 ``logits`` [BLOCK_E] already in registers (-inf outside ``in_range``)."""
     ex = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(in_range, ex / tl.sum(ex, axis=0), -1.0)  # padding lanes are never picked
     if PACKED:

@@ -83,6 +83,18 @@ class Linear(nn.Module):
         return ember.ops.linear(x, self.weight, self.bias)
 
 
+def weight_and_row_scale(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight [N, K], per-row fp32 scale or None) of an unbiased Linear or row-scaled weight-only
+    Fp8Linear, what kernels that stream a projection's weight themselves take; else None."""
+    from ember.nn.fp8_linear import Fp8Linear
+    if type(linear) is Linear and linear.bias is None:
+        return linear.weight, None
+    if (isinstance(linear, Fp8Linear) and linear.bias is None and linear.granularity == "row"
+            and linear.activations is None):
+        return linear.weight, linear.weight_scale.reshape(-1)
+    return None
+
+
 # ----------------------------------------------------------------------------- attention
 class Attention(nn.Module):
     """Qwen3 attention: one fused qkv projection, RMSNorm on q and k per head, RoPE, GQA, o-proj."""
@@ -123,8 +135,10 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
 
     def decode(self, h: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """h [B, H], one token per row at ``positions`` [B] -> [B, H]; appends k, v to the cache."""
+               sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], project: bool = True) -> torch.Tensor:
+        """h [B, H], one token per row at ``positions`` [B] -> [B, H]; appends k, v to the cache.
+        ``project=False``: the attention output before the output projection ``self.o`` ([B, NH * D]),
+        for a caller that folds the projection into its next launch."""
         c = self.cfg
         fused = os.environ.get("EMBER_FUSED_QKV", "0") == "1"  # read per call; opt-in: measured slower
         if fused and type(self.qkv) is Linear and self.qkv.bias is None and h.shape[0] <= 8:
@@ -132,9 +146,9 @@ class Attention(nn.Module):
             q = attn_ops.qkv_proj_norm_rope_cache(h, self.qkv.weight, self.q_norm, self.k_norm, cos, sin, positions,
                                                   cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps)
         else:
-            return self._decode_from_qkv(self.qkv(h), positions, seq_lens, cos, sin, cache)
+            return self._decode_from_qkv(self.qkv(h), positions, seq_lens, cos, sin, cache, project=project)
         out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
-        return self.o(out)
+        return self.o(out) if project else out
 
     def prescaled_decode_ok(self) -> bool:
         """Whether :meth:`decode_prescaled` can run this step: ``EMBER_NORM_DEFER`` not "0" and none of
@@ -146,15 +160,16 @@ class Attention(nn.Module):
 
     def decode_prescaled(self, scaled: torch.Tensor, h: torch.Tensor, eps: float, positions: torch.Tensor,
                          seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                         cache: tuple[torch.Tensor, torch.Tensor], project: bool = True) -> torch.Tensor:
         """``decode(add_rmsnorm's normed h)`` given ``scaled = h * norm_weight`` (the previous layer's
         ``moe_experts_add_scale``): the 1 / rms(h) is applied after the qkv projection, in the q/k
-        norm + RoPE launch (``prenorm``), so the norm has no launch of its own."""
-        return self._decode_from_qkv(self.qkv(scaled), positions, seq_lens, cos, sin, cache, prenorm=(h, eps))
+        norm + RoPE launch (``prenorm``), so the norm has no launch of its own. ``project``: as in decode."""
+        return self._decode_from_qkv(self.qkv(scaled), positions, seq_lens, cos, sin, cache, prenorm=(h, eps),
+                                     project=project)
 
     def _decode_from_qkv(self, qkv: torch.Tensor, positions, seq_lens, cos, sin, cache,
-                         prenorm: tuple | None = None) -> torch.Tensor:
-        """q/k norm + RoPE + cache write, decode attention, output projection."""
+                         prenorm: tuple | None = None, project: bool = True) -> torch.Tensor:
+        """q/k norm + RoPE + cache write, decode attention, output projection (unless not ``project``)."""
         c = self.cfg
         # opt-in (read per call, so while capturing): the H200 decode step measured it slower, 2.706 vs
         # 2.576 ms (bench/results/h200/step_variants_fold2.json; ARCHITECTURE.md, attention)
@@ -166,7 +181,7 @@ class Attention(nn.Module):
             q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
                                             num_heads=c.num_heads, eps=c.rms_norm_eps, prenorm=prenorm)
             out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
-        return self.o(out)
+        return self.o(out) if project else out
 
     def add_norm_decode(self, m: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         positions: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -266,28 +281,41 @@ class CausalLM(nn.Module):
         ``attend_prescaled(i, attn, scaled, h)`` (decode) runs layer i's mixer on ``add_rmsnorm``'s
         output given h (the new residual) and h * norm_weight, which the previous layer's MLP wrote
         instead of its output where both layers can (``add_norm_forward_prescaled`` and
-        ``prescaled_decode_ok``): the pre-attention norm then has no launch of its own."""
+        ``prescaled_decode_ok``): the pre-attention norm then has no launch of its own. Where the MLP
+        also takes the attention's output projection into its router launch (``linear_route_ok``,
+        one decode row), the mixer is called with ``project=False``."""
         normed, residual = ember.ops.rmsnorm(x, self.layers[0].ln1, self.eps), x
         prescaled = None  # (h, h * ln1) from the previous layer's MLP
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
         for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            fold_next = getattr(layer.mlp, "add_norm_forward_prescaled", None)
+            can_prescale = (attend_prescaled is not None and fold_next is not None and nxt is not None
+                            and getattr(nxt.attn, "prescaled_decode_ok", lambda: False)())
+            # the o_proj in the router's launch (qwen3_moe.SparseMoe.linear_add_norm_forward_prescaled)
+            unprojected = (can_prescale and isinstance(layer.attn, Attention)
+                           and getattr(layer.mlp, "linear_route_ok", lambda o, n: False)(layer.attn.o, rows))
+            project = {} if not unprojected else {"project": False}
             folded = None
             if prescaled is not None:
                 residual, scaled = prescaled
-                a = attend_prescaled(i, layer.attn, scaled, residual)
+                a = attend_prescaled(i, layer.attn, scaled, residual, **project)
             else:
                 if i > 0 and attend_add_norm is not None:
                     folded = attend_add_norm(i, layer.attn, m, residual, layer.ln1)
                 if folded is not None:
                     a, residual = folded
+                    unprojected = False
                 else:
                     if i > 0:
                         normed, residual = ember.ops.add_rmsnorm(m, residual, layer.ln1, self.eps)
-                    a = attend(i, layer.attn, normed)
+                    a = attend(i, layer.attn, normed, **project)
             prescaled = None
-            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            fold_next = getattr(layer.mlp, "add_norm_forward_prescaled", None)
-            if (attend_prescaled is not None and fold_next is not None and nxt is not None
-                    and getattr(nxt.attn, "prescaled_decode_ok", lambda: False)()):
+            if unprojected:
+                prescaled = layer.mlp.linear_add_norm_forward_prescaled(a, layer.attn.o, residual, layer.ln2,
+                                                                        self.eps, nxt.ln1)
+                continue
+            if can_prescale:
                 prescaled = fold_next(a, residual, layer.ln2, self.eps, nxt.ln1)
                 if prescaled is not None:
                     continue
@@ -327,10 +355,13 @@ class CausalLM(nn.Module):
             return None if fold is None else fold(m, residual, norm_weight, self.eps, positions, seq_lens,
                                                   self.cos, self.sin, caches[i])
 
-        def attend_prescaled(i, attn, scaled, h):
-            return attn.decode_prescaled(scaled, h, self.eps, positions, seq_lens, self.cos, self.sin, caches[i])
-        return self._run(x, lambda i, attn, h: attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i]),
-                         attend_add_norm=attend_add_norm, attend_prescaled=attend_prescaled)
+        def attend_prescaled(i, attn, scaled, h, **project):
+            return attn.decode_prescaled(scaled, h, self.eps, positions, seq_lens, self.cos, self.sin, caches[i],
+                                         **project)
+
+        def attend(i, attn, h, **project):
+            return attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i], **project)
+        return self._run(x, attend, attend_add_norm=attend_add_norm, attend_prescaled=attend_prescaled)
 
 
 # ----------------------------------------------------------------------------- loading helpers

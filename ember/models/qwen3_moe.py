@@ -64,6 +64,28 @@ class SparseMoe(nn.Module):
         return add_norm_route_experts(self, a, residual, norm_weight, eps, next_norm_weight,
                                       renormalize=self.renormalize)
 
+    def linear_route_ok(self, linear: nn.Module, rows: int) -> bool:
+        """Whether :meth:`linear_add_norm_forward_prescaled` takes ``linear``'s input (read per call, so
+        while capturing): one row, an unbiased bf16/fp16/fp32 Linear or row-scaled weight-only
+        Fp8Linear, and ``EMBER_LINEAR_ROUTE`` not "0" (nor the router folds it builds on)."""
+        return (rows == 1 and all(os.environ.get(k, "1") != "0" for k in
+                                  ("EMBER_LINEAR_ROUTE", "EMBER_ROUTER_FUSED", "EMBER_NORM_ROUTE_FUSED"))
+                and _common.weight_and_row_scale(linear) is not None)
+
+    def linear_add_norm_forward_prescaled(self, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor,
+                                          norm_weight: torch.Tensor, eps: float, next_norm_weight: torch.Tensor):
+        """:meth:`add_norm_forward_prescaled` of ``linear(x)`` with the projection in the router's launch
+        (``ember.ops.linear_add_rmsnorm_route_hidden``); returns (h, h * next_norm_weight)."""
+        weight, scale = _common.weight_and_row_scale(linear)
+        a = x.reshape(1, -1)
+        normed, new_res, w, ids = moe_ops.linear_add_rmsnorm_route_hidden(
+            a, weight, residual.reshape(1, -1), norm_weight, self.router, self.top_k, weight_scale=scale, eps=eps,
+            renormalize=self.renormalize)
+        h, scaled = moe_ops.moe_experts_add_scale(normed, self.w_gate_up, self.w_down, w, ids, new_res,
+                                                  next_norm_weight, gate_up_scale=self.gate_up_scale,
+                                                  down_scale=self.down_scale, check=False)
+        return h.reshape(residual.shape), scaled.reshape(residual.shape)
+
 
 def add_norm_route_experts(moe: nn.Module, a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                            eps: float, next_norm_weight: torch.Tensor | None = None,

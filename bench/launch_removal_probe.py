@@ -12,6 +12,10 @@ result is wrong; only the time counts), on the same weights and prompt as bench/
 A fold saves less than its variant: the folded kernel still does the work. Writes a JSON.
 
     python bench/launch_removal_probe.py OUT_JSON [--fp8] [--names default,no_router,...]
+
+Measured (H200, cache 400): no_router fp8 1.816 -> 1.606 ms, bf16 2.249 -> 2.018
+(bench/results/h200/launch_removal_fp8.json, launch_removal_bf16.json: the first run of this variant,
+with the fixed ids made inside the capture, added launches and measured 2.31 ms; not kept).
 """
 import argparse
 import json

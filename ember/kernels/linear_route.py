@@ -21,6 +21,17 @@ first (the same kind of difference as the deferred pre-attention norm, ARCHITECT
 
 The projection loop is the shared GEMV's (``gemv._weight_tile`` / ``gemv._accumulate``); its tiles
 are wider (16 rows a program, so at most 128-256 programs' shares to add).
+
+Measured slower, so the models take it only as an opt-in (``EMBER_LINEAR_ROUTE=1``). H200 Qwen3-30B-A3B
+fp8 decode step at a 400 cache (bench/results/h200/step_variants_linear_route_*.json, same weights):
+two launches 1.79-1.82 ms; this launch 1.97 (16 rows on 16 warps), 1.87 (8 warps), 1.85 (4 warps,
+4 chunks: the best), 2.06-2.54 for the other tiles swept; bf16 2.21 vs 2.30. Where it goes: the
+plain o_proj GEMV on this kernel's default tile (16 rows, 16 warps) is as fast as on its own (1.788
+vs 1.787 ms), so the ~3.7 us a layer lost is the routing tail of the last program (the shares'
+[programs, experts] reduction, the softmax and the eight picks, each a cross-warp reduction over 16
+warps, where the router launch's last program has 4). On the 4-warp tile the one launch does beat
+the two launches on that same tile (1.85 vs 1.89 ms): the launch boundary itself is worth ~0.9 us
+a layer, against the ~4.4 us of the whole router launch (1.816 -> 1.606 ms with fixed routing).
 """
 from __future__ import annotations
 

@@ -83,11 +83,11 @@ def test_prefill_last_index_reads_the_last_real_position_of_a_padded_prompt(pair
 
 
 @pytest.mark.parametrize("env", [{}, {"EMBER_NORM_DEFER": "0"}, {"EMBER_NORM_QKV_FUSED": "1"},
-                                 {"EMBER_NORM_ROUTE_FUSED": "0"}, {"EMBER_LINEAR_ROUTE": "0"}])
+                                 {"EMBER_NORM_ROUTE_FUSED": "0"}, {"EMBER_LINEAR_ROUTE": "1"}])
 def test_cached_decode_with_the_norm_folds_switched_matches_transformers(pair, monkeypatch, interpreter, env):
     """The default decode (the pre-attention norm deferred: scaled by the MoE down GEMV, 1 / rms
-    applied after the qkv projection; o_proj, the post-attention norm and the routing in one launch),
-    the o_proj back in its own GEMV (EMBER_LINEAR_ROUTE=0), that deferral off, the opt-in pre-attention norm fold (qkv
+    applied after the qkv projection), the opt-in o_proj + post-attention norm + routing launch
+    (EMBER_LINEAR_ROUTE=1), that deferral off, the opt-in pre-attention norm fold (qkv
     GEMV) and the unfused post-attention norm, through the Triton kernels (interpreter): the cached
     decode logits still match transformers' forward."""
     hf, em = pair

@@ -138,6 +138,19 @@ def fp8_linear(src: _common.TensorSource, prefix: str, out_f: int, in_f: int, bi
     return Fp8Linear.from_fp8(q, s, bias, dtype=src.dtype, check=False)
 
 
+def quantize_lm_head(net) -> None:
+    """Replace ``net.lm_head`` (a Linear, possibly sharing the embedding's storage) by a row-scaled,
+    weight-only Fp8Linear: what ``load(fp8_lm_head=True)`` does."""
+    from ember.nn.fp8_linear import Fp8Linear
+    from ember.ops import fp8 as fp8_ops
+    head = net.lm_head
+    if isinstance(head, Fp8Linear):
+        return
+    with torch.no_grad():
+        q, s = fp8_ops.quantize_fp8(head.weight, "row")
+    net.lm_head = Fp8Linear.from_fp8(q, s, head.bias, dtype=head.weight.dtype, check=False)
+
+
 def fp8_concat_linear(src: _common.TensorSource, prefixes: list[str], outs: list[int], in_f: int, *, bias: bool):
     """One Fp8Linear over concatenated output rows (q,k,v or gate,up). Checkpoint block scales
     stack when every part's rows are a multiple of 128; otherwise the parts are dequantised and the
@@ -184,12 +197,17 @@ def fp8_experts(src: _common.TensorSource, gate_up, down, gate_up_scale, down_sc
 
 
 # ----------------------------------------------------------------------------- load
-def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int = 4096, max_batch_size: int = 1):
+def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int = 4096, max_batch_size: int = 1,
+         fp8_lm_head: bool = False):
     """Load a Hugging Face checkpoint directory into an :class:`ember.Model` ready to generate.
 
     ``dtype`` defaults to the checkpoint's (bf16 for FP8 checkpoints); ``fp8=True`` quantises the
     linear and expert weights to float8_e4m3fn on load. The static KV cache holds ``max_batch_size``
-    rows of ``max_seq_len`` tokens.
+    rows of ``max_seq_len`` tokens. ``fp8_lm_head=True`` (with ``fp8=True`` or an FP8 checkpoint)
+    also quantises the lm_head per row, which FP8 checkpoints keep in bf16: half its bytes (a tied
+    lm_head gets its own fp8 copy, so memory grows by half the embedding), a faster decode step
+    (H200 Qwen3-30B-A3B figures in bench/results/h200/moe.json, fp8 row), and logits with the fp8
+    rounding (about 30 dB logit SNR for random weights and rows: a trade the caller chooses).
 
     Example:
         >>> model = ember.load("Qwen3-30B-A3B", fp8=True, max_seq_len=8192)
@@ -200,6 +218,9 @@ def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int =
     for name, v in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    for name, v in (("fp8", fp8), ("fp8_lm_head", fp8_lm_head)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
     path = Path(os.fspath(path)).expanduser()
     cfg = read_config(path)
     module = module_for(cfg.get("model_type"))
@@ -211,6 +232,9 @@ def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int =
     if quant and list(quant.get("weight_block_size", [BLOCK, BLOCK])) != [BLOCK, BLOCK]:
         raise ValueError(f"config.json: weight_block_size {quant.get('weight_block_size')} is not supported "
                          f"(expected [{BLOCK}, {BLOCK}])")
+    if fp8_lm_head and not (fp8 or quant):
+        raise ValueError("fp8_lm_head: needs fp8=True or an FP8 checkpoint (the lm_head is quantised with the "
+                         "other linears)")
     dtype = _resolve_dtype(cfg, dtype, device)
     files = checkpoint_files(path)
     _check_memory(device, _tensor_bytes(files, dtype, fp8), "weights")
@@ -233,6 +257,8 @@ def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int =
     if extra:
         shown = ", ".join(extra[:8]) + (f" and {len(extra) - 8} more" if len(extra) > 8 else "")
         raise ValueError(f"checkpoint: unexpected tensor(s) the {cfg['model_type']} config does not use: {shown}")
+    if fp8_lm_head:
+        quantize_lm_head(net)
     net.eval()
     cache_bytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
                       for layer in net.cache_specs(max_batch_size, max_seq_len, dtype) for shape, dt in layer)

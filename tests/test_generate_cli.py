@@ -56,3 +56,12 @@ def test_console_script_runs(ckpt):
                         "--max-new-tokens", "3", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "tok/s decode" in r.stdout
+
+
+def test_generate_fp8_lm_head_flag(ckpt, capsys):
+    _, path = ckpt
+    assert main(["generate", "--model", str(path), "--prompt", "once upon a time", "--max-new-tokens", "4",
+                 "--fp8", "--fp8-lm-head", "--device", "cpu"]) == 0
+    assert "| fp8]" in capsys.readouterr().out
+    assert main(["generate", "--model", str(path), "--prompt", "x", "--fp8-lm-head", "--device", "cpu"]) == 2
+    assert "fp8_lm_head: needs fp8=True" in capsys.readouterr().err

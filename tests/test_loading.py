@@ -208,3 +208,28 @@ def test_generate_text_stop_and_stream(moe):
     a = em.generate([ids, ids], max_new_tokens=6, sampling=[s, s])
     assert a == em.generate([ids, ids], max_new_tokens=6, sampling=[s, s])
     assert len(a[0]) <= 6
+
+
+def test_fp8_lm_head_quantises_the_head_per_row(moe_aligned):
+    """fp8_lm_head=True: the lm_head becomes a row-scaled Fp8Linear whose logits are exactly those of
+    the dequantised head applied to the same final hidden rows, close to the bf16-head model's."""
+    from ember.nn.fp8_linear import Fp8Linear
+    from ember.ops import fp8 as fp8_ops
+    hf, path = moe_aligned
+    base = ember.load(path, fp8=True, max_seq_len=32)
+    em = ember.load(path, fp8=True, max_seq_len=32, fp8_lm_head=True)
+    assert isinstance(em.net.lm_head, Fp8Linear) and em.net.lm_head.granularity == "row"
+    w = base.net.lm_head.weight
+    q, s = fp8_ops.quantize_fp8(w, "row")
+    assert torch.equal(em.net.lm_head.weight, q) and torch.equal(em.net.lm_head.weight_scale, s)
+    a, b = base(_ids()).float(), em(_ids()).float()
+    snr_db = 10 * torch.log10(a.pow(2).mean() / (a - b).pow(2).mean())
+    assert 20 < snr_db < 60  # fp8 rounding of the head: visible, and bounded (~30 dB for random weights)
+
+
+def test_fp8_lm_head_needs_fp8_and_a_bool(moe):
+    _, path = moe
+    with pytest.raises(ValueError, match="fp8_lm_head: needs fp8=True or an FP8 checkpoint"):
+        ember.load(path, max_seq_len=32, fp8_lm_head=True)
+    with pytest.raises(TypeError, match="fp8_lm_head: expected a bool"):
+        ember.load(path, fp8=True, max_seq_len=32, fp8_lm_head="yes")

@@ -22,6 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--fp8", action="store_true", help="quantise weights to FP8 on load")
+    p.add_argument("--fp8-lm-head", action="store_true",
+                   help="with --fp8 or an FP8 checkpoint: the lm_head in FP8 too (faster; logits rounded to fp8)")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
@@ -47,7 +49,7 @@ def run(args) -> int:
         # Size the cache to this request: the tokenizer is needed first, so load once with a
         # generous length when none is given.
         model = ember.load(args.model, device=args.device, dtype=args.dtype, fp8=args.fp8,
-                           max_seq_len=args.max_seq_len or 4096)
+                           max_seq_len=args.max_seq_len or 4096, fp8_lm_head=args.fp8_lm_head)
         prompt = args.prompt
         if args.chat:
             if model.tokenizer is None:

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from types import ModuleType
 
 import torch
 
+from ember import _switches
+
 
 def force_triton() -> bool:
     """True when ``EMBER_FORCE_TRITON=1``: run Triton kernels on CPU tensors via the interpreter."""
-    return os.environ.get("EMBER_FORCE_TRITON", "0") not in ("", "0", "false", "False")
+    return bool(_switches.get("EMBER_FORCE_TRITON"))
 
 
 def _enable_interpreter_if_forced() -> None:
@@ -34,7 +35,7 @@ def _enable_interpreter_if_forced() -> None:
     # (the combine functions of tl.sum, tl.max, ...) at import time, and they only run under the
     # interpreter if it was on then.
     if force_triton() and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        _switches.set_process_env("TRITON_INTERPRET", "1")
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +81,7 @@ def kernels(family: str) -> ModuleType:
 def pdl_allowed() -> bool:
     """EMBER_PDL is not "0": decode kernels may use programmatic dependent launch (where the GPU has
     it, sm_90+; read per call, so also while a CUDA graph is captured)."""
-    return os.environ.get("EMBER_PDL", "1") != "0"
+    return bool(_switches.get("EMBER_PDL"))
 
 
 def compiling() -> bool:

@@ -19,18 +19,14 @@ from pathlib import Path
 import torch
 
 from ember.models import _common, module_for
+from ember.models._weights import BLOCK, _cdiv, quantize_lm_head  # noqa: F401  (quantize_lm_head: load(fp8_lm_head=True))
 
 FP8 = torch.float8_e4m3fn
-BLOCK = 128
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1,
              "U8": 1, "BOOL": 1, "I16": 2}
 # Tensors some checkpoints carry that no forward pass reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ----------------------------------------------------------------------------- config / files
@@ -122,78 +118,6 @@ def _resolve_dtype(cfg: dict, dtype, device: torch.device) -> torch.dtype:
         return dtype
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     return _DTYPES.get(name, torch.bfloat16)
-
-
-# ----------------------------------------------------------------------------- FP8 builders
-def fp8_linear(src: _common.TensorSource, prefix: str, out_f: int, in_f: int, bias=None):
-    """Fp8Linear from a checkpoint fp8 weight + block scale, or quantised here (per row)."""
-    from ember.nn import Fp8Linear
-    from ember.ops import fp8 as fp8_ops
-    w = src.raw(f"{prefix}.weight", (out_f, in_f))
-    scale_name = f"{prefix}.weight_scale_inv"
-    if src.has(scale_name):
-        s = src.raw(scale_name, (_cdiv(out_f, BLOCK), _cdiv(in_f, BLOCK)))
-        return Fp8Linear.from_fp8(w.to(src.device), s.to(src.device, torch.float32), bias, dtype=src.dtype)
-    q, s = fp8_ops.quantize_fp8(w.to(src.device, src.dtype), "row")
-    return Fp8Linear.from_fp8(q, s, bias, dtype=src.dtype, check=False)
-
-
-def quantize_lm_head(net) -> None:
-    """Replace ``net.lm_head`` (a Linear, possibly sharing the embedding's storage) by a row-scaled,
-    weight-only Fp8Linear: what ``load(fp8_lm_head=True)`` does."""
-    from ember.nn.fp8_linear import Fp8Linear
-    from ember.ops import fp8 as fp8_ops
-    head = net.lm_head
-    if isinstance(head, Fp8Linear):
-        return
-    with torch.no_grad():
-        q, s = fp8_ops.quantize_fp8(head.weight, "row")
-    net.lm_head = Fp8Linear.from_fp8(q, s, head.bias, dtype=head.weight.dtype, check=False)
-
-
-def fp8_concat_linear(src: _common.TensorSource, prefixes: list[str], outs: list[int], in_f: int, *, bias: bool):
-    """One Fp8Linear over concatenated output rows (q,k,v or gate,up). Checkpoint block scales
-    stack when every part's rows are a multiple of 128; otherwise the parts are dequantised and the
-    whole weight requantised per row (one more rounding, only for odd-sized toy models)."""
-    from ember.nn import Fp8Linear
-    from ember.ops import fp8 as fp8_ops
-    b = torch.cat([src.get(f"{p}.bias", (o,)) for p, o in zip(prefixes, outs)]) if bias else None
-    parts, scales = [], []
-    for p, o in zip(prefixes, outs):
-        w = src.raw(f"{p}.weight", (o, in_f))
-        s = src.raw(f"{p}.weight_scale_inv", (_cdiv(o, BLOCK), _cdiv(in_f, BLOCK))) \
-            if src.has(f"{p}.weight_scale_inv") else None
-        parts.append(w.to(src.device))
-        scales.append(None if s is None else s.to(src.device, torch.float32))
-    if all(s is not None for s in scales) and all(o % BLOCK == 0 for o in outs):
-        return Fp8Linear.from_fp8(torch.cat(parts), torch.cat(scales), b, dtype=src.dtype)
-    full = torch.cat([w.float() if s is None else fp8_ops.dequantize_fp8(w, s, torch.float32)
-                      for w, s in zip(parts, scales)]).to(src.dtype)
-    q, s = fp8_ops.quantize_fp8(full, "row")
-    return Fp8Linear.from_fp8(q, s, b, dtype=src.dtype, check=False)
-
-
-def fp8_experts(src: _common.TensorSource, gate_up, down, gate_up_scale, down_scale):
-    """Stacked expert weights -> (fp8 gate_up, fp8 down, scales) on the device for ember.ops.moe."""
-    from ember.ops import fp8 as fp8_ops
-    dev = src.device
-    if gate_up_scale is not None:
-        E, two_i, H = gate_up.shape
-        gate_up, down = gate_up.to(dev), down.to(dev)
-        gate_up_scale, down_scale = gate_up_scale.to(dev, torch.float32), down_scale.to(dev, torch.float32)
-        if (two_i // 2) % BLOCK == 0:  # gate and up block rows stack into [E, 2I/128, H/128]
-            return gate_up, down, gate_up_scale, down_scale
-        I = two_i // 2
-        parts = []
-        for e in range(E):  # the gate and up halves each had their own partial last block
-            g = fp8_ops.dequantize_fp8(gate_up[e, :I], gate_up_scale[e, : gate_up_scale.shape[1] // 2], torch.float32)
-            u = fp8_ops.dequantize_fp8(gate_up[e, I:], gate_up_scale[e, gate_up_scale.shape[1] // 2:], torch.float32)
-            parts.append(torch.cat([g, u]))
-        q, s = fp8_ops.quantize_fp8(torch.stack(parts), "row")
-        return q, down, s.squeeze(-1), down_scale
-    q_gu, s_gu = fp8_ops.quantize_fp8(gate_up.to(dev, src.dtype), "row")
-    q_d, s_d = fp8_ops.quantize_fp8(down.to(dev, src.dtype), "row")
-    return q_gu, q_d, s_gu.squeeze(-1), s_d.squeeze(-1)
 
 
 # ----------------------------------------------------------------------------- load

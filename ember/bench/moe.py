@@ -338,7 +338,7 @@ def _fp8_lm_head_figures(em_fp8, hf, cfg, ids, new, prompt_len, on_gpu: bool) ->
     """The fp8 model again with its lm_head quantised too (``ember.load(fp8_lm_head=True)``; HF FP8
     checkpoints keep it in bf16, so the row's figure does too): decode tok/s, graph step, and the
     logits' SNR against the bf16 lm_head on 16 random rows. Changes ``em_fp8``'s net."""
-    from ember.loading import quantize_lm_head
+    from ember.models._weights import quantize_lm_head
     head = em_fp8.net.lm_head
     rows = torch.randn(16, head.weight.shape[1], device=head.weight.device, dtype=head.weight.dtype,
                        generator=torch.Generator(device=head.weight.device).manual_seed(1))

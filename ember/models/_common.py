@@ -19,6 +19,7 @@ from torch import nn
 
 import ember.ops
 attn_ops = importlib.import_module("ember.ops.attention")
+from ember.models._weights import TensorSource, fp8_concat_linear, fp8_linear, missing_error  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- config
@@ -364,46 +365,10 @@ class CausalLM(nn.Module):
         return self._run(x, attend, attend_add_norm=attend_add_norm, attend_prescaled=attend_prescaled)
 
 
-# ----------------------------------------------------------------------------- loading helpers
-class TensorSource:
-    """Named tensors of a checkpoint, fetched on demand and converted to the target device/dtype.
-
-    ``get(name, shape)`` checks the shape against what the config implies and names both on a
-    mismatch; ``take`` records use so the loader can report tensors the model did not consume.
-    """
-
-    def __init__(self, names: set[str], fetch, device, dtype):
-        self.names, self._fetch, self.device, self.dtype = set(names), fetch, device, dtype
-        self.used: set[str] = set()
-
-    def has(self, name: str) -> bool:
-        return name in self.names
-
-    def raw(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        if name not in self.names:
-            raise KeyError(name)
-        t = self._fetch(name)
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise ValueError(f"checkpoint tensor {name}: expected shape {tuple(shape)} from config.json, "
-                             f"got {tuple(t.shape)}")
-        self.used.add(name)
-        return t
-
-    def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = self.raw(name, shape)
-        return t.to(device=self.device, dtype=dtype or self.dtype)
-
-
-def missing_error(names: list[str]) -> ValueError:
-    shown = ", ".join(sorted(names)[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    return ValueError(f"checkpoint: missing tensor(s) the config requires: {shown}")
-
-
 def make_linear(src: TensorSource, prefix: str, out_features: int, in_features: int, *, fp8: bool,
                 bias: bool = False) -> nn.Module:
     """A Linear from ``{prefix}.weight`` (and ``.bias``); FP8 when the checkpoint is FP8 (weight +
     ``weight_scale_inv``) or when ``fp8`` asks to quantize on load."""
-    from ember.loading import fp8_linear
     w_name = f"{prefix}.weight"
     if w_name not in src.names:
         raise missing_error([w_name])
@@ -416,7 +381,6 @@ def make_linear(src: TensorSource, prefix: str, out_features: int, in_features: 
 def concat_linear(src: TensorSource, prefixes: list[str], outs: list[int], in_features: int, *, fp8: bool,
                   bias: bool = False) -> nn.Module:
     """One Linear whose output rows are the concatenation of several checkpoint linears (q,k,v / gate,up)."""
-    from ember.loading import fp8_concat_linear
     if any(src.has(f"{p}.weight_scale_inv") for p in prefixes) or fp8:
         return fp8_concat_linear(src, prefixes, outs, in_features, bias=bias)
     ws = [src.get(f"{p}.weight", (o, in_features)) for p, o in zip(prefixes, outs)]

@@ -158,7 +158,7 @@ def _int(cfg: dict, key: str, default=None, minimum: int = 1) -> int:
 
 
 def _build_moe(src: _common.TensorSource, cfg: dict, prefix: str, *, fp8: bool) -> Lfm2SparseMoe:
-    from ember.loading import fp8_experts
+    from ember.models._weights import fp8_experts
     E, H, I = _int(cfg, "num_experts"), cfg["hidden_size"], _int(cfg, "moe_intermediate_size")
     top_k = cfg.get("num_experts_per_tok")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:

@@ -150,7 +150,7 @@ def _expert_weights(src: _common.TensorSource, prefix: str, E: int, H: int, I: i
 
 
 def build_moe(src: _common.TensorSource, cfg: dict, prefix: str, *, fp8: bool) -> SparseMoe:
-    from ember.loading import fp8_experts
+    from ember.models._weights import fp8_experts
     E, H, I = _num_experts(cfg), cfg["hidden_size"], cfg["moe_intermediate_size"]
     top_k = cfg.get("num_experts_per_tok")
     if not isinstance(top_k, int) or not 1 <= top_k <= E:

@@ -11,11 +11,11 @@ is one tile's conv histories and activations plus the output.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import torch
 
+from ember import _switches
 from ember.vae._stream import (StreamDecoder, env_switch, is_causal_conv, progress_bar, tile_starts,
                                to_channels_last)
 
@@ -193,10 +193,7 @@ def _frames_per_chunk(arg: int | None = None) -> int | None:
         if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
             raise ValueError(f"frames_per_chunk: expected None or a positive integer, got {arg!r}")
         return arg
-    v = os.environ.get("EMBER_VAE_FRAME_CHUNK", "0")
-    if not v.isdigit():
-        raise ValueError(f"EMBER_VAE_FRAME_CHUNK: expected a non-negative integer, got {v!r}")
-    return int(v) or None
+    return _switches.get("EMBER_VAE_FRAME_CHUNK") or None
 
 
 # ----------------------------------------------------------------------------- tiling

@@ -20,13 +20,12 @@ temporal upsampler's conv, which skips the first chunk), so outputs agree to rou
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 import ember
-from ember import _dispatch
+from ember import _dispatch, _switches
 
 CL3 = torch.channels_last_3d
 
@@ -196,12 +195,9 @@ def tile_starts(n: int, tile: int, stride: int, trim: bool) -> list[int]:
     return starts
 
 
-def env_switch(name: str, default: bool = True) -> bool:
-    """An on/off environment switch ("0" or "1", read per call); anything else is a ValueError."""
-    v = os.environ.get(name, "1" if default else "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"{name}: expected 0 or 1, got {v!r}")
-    return v == "1"
+def env_switch(name: str) -> bool:
+    """An on/off switch of the registry (ember._switches), read per call."""
+    return bool(_switches.get(name))
 
 
 def subpixel_enabled() -> bool:

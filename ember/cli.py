@@ -13,6 +13,7 @@ import sys
 VERB_MODULES = {
     "generate": "ember.engine.cli",
     "quantize": "ember.quantize_cli",
+    "tune": "ember.tuning.cli",
 }
 
 

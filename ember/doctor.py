@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from ember import _dispatch
+from ember import _dispatch, _switches, tuning
 
 # Op families and the module that implements each; doctor reports the path each takes here.
 FAMILIES = {
@@ -160,8 +160,18 @@ def doctor() -> dict:
     families = {name: _family_path(mod, cuda, tri) for name, mod in FAMILIES.items()}
     if _dispatch.force_triton():
         notes.append("EMBER_FORCE_TRITON=1: CPU tensors take Triton kernels through the interpreter (slow; for tests)")
+    tuning_info = [dict(tuning.summary(torch.device("cuda", i)), gpu=d["name"])
+                   for i, d in enumerate(cuda["devices"] if not _dispatch.rocm() else [])]
+    for t in tuning_info:
+        if t["mode"] == "generic":
+            notes.append(f"{t['gpu']}: EMBER_TUNING=generic: kernels use the generic tile entries")
+        elif t["shipped"] is None and not t["cached_families"]:
+            notes.append(f"{t['gpu']}: no measured tile data for this GPU: kernels use the generic entries "
+                         "(`ember tune <family>` measures and caches tiles for it)")
     return {
         "ok": True,  # the reference path needs only torch, which imported to get here
+        "switches": _switches.describe(),
+        "tuning": tuning_info,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -192,6 +202,14 @@ def render(report: dict) -> str:
     lines.append("op families:")
     for name, fam in report["families"].items():
         lines.append(f"  {name:<9} {fam['path']:<11} {fam['why']}")
+    for t in report.get("tuning", []):
+        cached = ", ".join(t["cached_families"]) or "none"
+        lines.append(f"tuning: {t['gpu']}: mode {t['mode']}, shipped data {t['shipped'] or 'none (generic entries)'}, "
+                     f"tuned here: {cached} ({t['cache']})")
+    lines.append("switches (environment):")
+    for sw in report.get("switches", []):
+        value = f"error: {sw['error']}" if sw["error"] else f"{sw['value']!r}" + (" (set)" if sw["set"] else "")
+        lines.append(f"  {sw['name']:<24} {sw['category']:<9} {value:<14} {sw['doc']}")
     for n in report["notes"]:
         lines.append(f"- {n}")
     lines.append("ember can run here" if report["ok"] else "ember cannot run here")

@@ -30,6 +30,17 @@ def force_triton() -> bool:
     return bool(_switches.get("EMBER_FORCE_TRITON"))
 
 
+def prepare_triton() -> None:
+    """Call before importing an ``ember.kernels`` module: switches Triton's interpreter on under
+    ``EMBER_FORCE_TRITON=1`` without a GPU. Ops import their kernel module by name right after it,
+    at the launch site, so ``import ember`` never imports Triton and the dependency stays visible::
+
+        _dispatch.prepare_triton()
+        from ember.kernels import norm as kernels
+    """
+    _enable_interpreter_if_forced()
+
+
 def _enable_interpreter_if_forced() -> None:
     # Must happen before the first ``import triton``: triton.language defines its own @jit helpers
     # (the combine functions of tl.sum, tl.max, ...) at import time, and they only run under the

@@ -12,16 +12,16 @@ Example:
 from ember.ops.conv1d import causal_conv1d
 from ember.ops.deltanet import gated_delta_rule
 from ember.ops.fp8 import dequantize_fp8, quantize_fp8, scaled_mm
-from ember.ops.linear import add_rmsnorm_linear, linear
-from ember.ops.moe import (add_rmsnorm_route_hidden, linear_add_rmsnorm_route_hidden, moe, moe_experts,
+from ember.ops.linear import linear
+from ember.ops.moe import (add_rmsnorm_route_hidden, moe, moe_experts,
                            moe_experts_add_scale, moe_route, moe_route_hidden)
 from ember.ops.norm import add_rmsnorm, add_rmsnorm_reference, rmsnorm, rmsnorm_gated, rmsnorm_silu
 from ember.ops.pad import pad
 from ember.ops.sampling import argmax, log_softmax, sample, softmax
 
 __all__ = [
-    "add_rmsnorm", "add_rmsnorm_linear", "add_rmsnorm_reference", "add_rmsnorm_route_hidden", "argmax", "causal_conv1d",
-    "dequantize_fp8", "gated_delta_rule", "linear", "linear_add_rmsnorm_route_hidden", "log_softmax", "moe",
+    "add_rmsnorm", "add_rmsnorm_reference", "add_rmsnorm_route_hidden", "argmax", "causal_conv1d",
+    "dequantize_fp8", "gated_delta_rule", "linear", "log_softmax", "moe",
     "moe_experts", "moe_experts_add_scale", "moe_route", "moe_route_hidden", "pad", "quantize_fp8", "rmsnorm",
     "rmsnorm_gated", "rmsnorm_silu", "sample", "scaled_mm", "softmax",
 ]

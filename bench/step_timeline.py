@@ -34,7 +34,7 @@ def floors_us(fp8: bool) -> dict:
 
 
 def step_kernels(model, replays: int = 5, batch: int = 1) -> list[dict]:
-    g = model._graphs[(batch, True)]
+    g = moe_bench.step_graph(model, batch)
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -97,10 +97,10 @@ def main(path: str, fp8_too: bool, cache: int, batch: int) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--fp8", action="store_true")
-    ap.add_argument("--cache", type=int, default=400)
-    ap.add_argument("--batch", type=int, default=1)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="JSON file the timeline summary is written to")
+    ap.add_argument("--fp8", action="store_true", help="also profile the FP8-weight step")
+    ap.add_argument("--cache", type=int, default=400, help="max_seq_len of the profiled model")
+    ap.add_argument("--batch", type=int, default=1, help="rows decoded per step")
     a = ap.parse_args()
     main(a.out, a.fp8, a.cache, a.batch)

@@ -15,7 +15,6 @@ import dataclasses
 import datetime
 import importlib
 import json
-import os
 import pkgutil
 from collections.abc import Callable, Iterator, Sequence
 
@@ -25,22 +24,24 @@ from ember.bench import _timing
 
 
 @contextlib.contextmanager
-def env_vars(env: dict[str, str | None]) -> Iterator[None]:
-    """Set environment variables for the block (None removes one), then restore the old values: how
-    the suites time opt-in kernels that read their switch while a graph is captured."""
-    def put(values: dict[str, str | None]) -> None:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def variant(spec: dict) -> Iterator[None]:
+    """Run the block as a decode-step variant: ``{"switches": {NAME: value}, "tuning": {family: {key:
+    entry}}}`` (either part optional) through ``ember._switches.override`` and ``ember.tuning.override``.
+    Kernels read both when launched, so a CUDA graph captured inside the block keeps the variant.
 
-    old = {k: os.environ.get(k) for k in env}
-    try:
-        put(env)
+    Example:
+        >>> with variant({"switches": {"EMBER_TUNING": "generic"}}):
+        ...     pass  # build and capture a model here: it runs the generic tiles
+    """
+    from ember import _switches, tuning
+    unknown = set(spec) - {"switches", "tuning"}
+    if unknown:
+        raise ValueError(f"variant: unknown part(s) {sorted(unknown)}; expected 'switches' and/or 'tuning'")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_switches.override(**spec.get("switches", {})))
+        for family, entries in spec.get("tuning", {}).items():
+            stack.enter_context(tuning.override(family, entries))
         yield
-    finally:
-        put(old)
 
 
 @dataclasses.dataclass
@@ -71,30 +72,20 @@ class Row:
         return d
 
 
-def module_from_source(name: str, source: str):
-    """Import ``source`` (e.g. an edited or older copy of a kernel module) as a fresh module named
-    ``name``, from a file of its own (Triton reads a kernel's source from its file): how the probes
-    in bench/ time kernel variants against the current module in one process."""
-    import importlib.util
-    import tempfile
-    from pathlib import Path
-    path = Path(tempfile.mkdtemp()) / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _round(v):
     return round(v, 4) if isinstance(v, float) else v
 
 
 @dataclasses.dataclass
 class BenchContext:
+    """What a suite's ``run`` gets. ``hf_compile``: also time HF's static cache + torch.compile generate
+    (the fastest stock setting, ~90 s of compiling on the H200); ``variants``: also time the decode
+    step's variants (``ember bench moe --variants``)."""
     quick: bool
     device: torch.device
     progress: Callable[[str], None] = lambda msg: None
+    hf_compile: bool = False
+    variants: bool = False
 
     @property
     def on_gpu(self) -> bool:
@@ -113,12 +104,14 @@ def suites() -> list[str]:
 
 
 def run_suite(name: str, *, quick: bool = False, device: str | None = None,
-              progress: Callable[[str], None] = lambda msg: None) -> list[Row]:
+              progress: Callable[[str], None] = lambda msg: None, hf_compile: bool = False,
+              variants: bool = False) -> list[Row]:
     if name not in suites():
         raise ValueError(f"suite: expected one of {suites()}, got {name!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() and not quick else "cpu"))
     module = importlib.import_module(f"ember.bench.{name}")
-    return module.run(BenchContext(quick=quick, device=dev, progress=progress))
+    return module.run(BenchContext(quick=quick, device=dev, progress=progress, hf_compile=hf_compile,
+                                   variants=variants))
 
 
 def versions() -> dict:

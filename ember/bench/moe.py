@@ -9,18 +9,18 @@ Batch 8 reads up to 8x more experts (~3.6x on average with 128 experts, top-8) f
 Prefill 2048 tokens: 2 x 3.3 G x 2048 = 13.7 TFLOP -> 17 ms at 790 TFLOP/s (compute bound).
 
 Rows (issue 5): qwen3_moe_30b_a3b_bf16_b1, _fp8_b1, _bf16_b8 (aggregate tok/s),
-_bf16_prefill2048 (tok/s); each records HF's figures. ``EMBER_BENCH_HF_COMPILE=1`` also times HF's
-static cache + torch.compile generate (~70 s of compilation, timed separately).
+_bf16_prefill2048 (tok/s); each records HF's figures. ``ember bench moe --hf-compile`` also times HF's
+static cache + torch.compile generate (~70 s of compilation, timed separately); ``--variants`` times
+the decode step's variants (STEP_VARIANTS) beside the default.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import torch
 
-from ember.bench import BenchContext, Row, _timing, env_vars
+from ember.bench import BenchContext, Row, _timing, variant
 
 COPY_BW = 4.155e12
 PROMPT, NEW = 128, 256
@@ -126,9 +126,14 @@ def ember_decode(model, prompts, new_tokens) -> dict:
     return {"tok_s": st.decode_tok_s, "prefill_s": st.prefill_s, "warmup_s": warm}
 
 
+def step_graph(model, B: int):
+    """The CUDA graph of ``model``'s decode step at batch ``B`` (captured by a generate before)."""
+    return model._graphs[(B, True)]
+
+
 def graph_step_ms(model, B: int) -> float:
     """Median time of one replay of the captured decode step (CUDA events)."""
-    g = model._graphs[(B, True)]
+    g = step_graph(model, B)
     ts = []
     for _ in range(30):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -170,25 +175,20 @@ def breakdown_us(model) -> dict:
     return out
 
 
-# Opt-in or alternative kernels timed beside the default decode step (env read while capturing).
-STEP_VARIANTS = {"default": {}, "fused_qkv": {"EMBER_FUSED_QKV": "1"}, "moe_t1_v2": {"EMBER_MOE_T1": "v2"},
-                 "router_unfused": {"EMBER_ROUTER_FUSED": "0"},
-                 "attn_one_launch": {"EMBER_ATTN_ONE_LAUNCH": "1"}, "attn_two_launch": {"EMBER_ATTN_ONE_LAUNCH": "0"},
-                 "pdl_off": {"EMBER_PDL": "0"}, "down_prefetch_off": {"EMBER_MOE_DOWN_PREFETCH": "0"},
-                 "norm_route_unfused": {"EMBER_NORM_ROUTE_FUSED": "0"}, "norm_qkv_fused": {"EMBER_NORM_QKV_FUSED": "1"},
-                 "attn_rope_fused": {"EMBER_ATTN_FUSED_ROPE": "1"},
-                 "attn_rope_fused_no_prefetch": {"EMBER_ATTN_FUSED_ROPE": "1", "EMBER_ATTN_PREFETCH": "0"},
-                 "norm_defer_off": {"EMBER_NORM_DEFER": "0"}, "router_packed_topk_off": {"EMBER_ROUTER_PACKED_TOPK": "0"},
-                 "fold_early_flipped_bf16": {"EMBER_MOE_FOLD_EARLY": "1"}}
+# Variants of the decode step timed beside the default (``bench.variant``: switches and tile data
+# read while the step is captured): the generic tile entries (what a GPU without measured data runs)
+# and the dependent-launch kill switch.
+STEP_VARIANTS = {"default": {}, "generic_tiles": {"switches": {"EMBER_TUNING": "generic"}},
+                 "pdl_off": {"switches": {"EMBER_PDL": False}}}
 
 
 def step_variants(hf, cfg, em, ids, max_seq_len) -> dict:
     """Graph step time (ms, batch 1) of each STEP_VARIANTS entry: a fresh Model on the same weights,
-    the same prompt and 32 generated tokens, captured with the variant's environment."""
+    the same prompt and 32 generated tokens, captured inside the variant."""
     out = {}
-    for name, env in STEP_VARIANTS.items():
+    for name, spec in STEP_VARIANTS.items():
         try:
-            with env_vars(env):
+            with variant(spec):
                 m = ember_from_hf(hf, cfg, max_seq_len=max_seq_len, net=em.net)
                 ember_decode(m, [ids[0].tolist()], 32)
                 out[name] = graph_step_ms(m, 1)
@@ -219,7 +219,7 @@ def run(ctx: BenchContext) -> list[Row]:
     ctx.progress("HF default generate")
     hf_default = hf_decode_tok_s(hf, hf_ids, 8 if quick else 32)
     hf_compiled, hf_compile_s, hf_first_call_s = None, None, None
-    if ctx.on_gpu and os.environ.get("EMBER_BENCH_HF_COMPILE") == "1":
+    if ctx.on_gpu and ctx.hf_compile:
         ctx.progress("HF static cache + torch.compile")
         t0 = time.perf_counter()
         try:
@@ -246,12 +246,12 @@ def run(ctx: BenchContext) -> list[Row]:
         print(f"bf16 b1: {r['tok_s']:.1f} tok/s, step {step_ms:.3f} ms, floor {floor_ms:.3f} ms", flush=True)
         if r["tok_s"] < 400:
             extra.update(breakdown_us(em))
-        if os.environ.get("EMBER_BENCH_VARIANTS", "1") != "0":  # 0: rows only (device time)
+        if ctx.variants:
             extra["graph_step_ms_variants"] = step_variants(hf, cfg, em, ids, prompt_len + new + 8)
     meets = r["tok_s"] >= 400 and r["tok_s"] >= 5 * hf_best
     if hf_compiled is None:  # HF's fastest setting not measured: the 5x part cannot be judged
         meets = False if r["tok_s"] < 400 else None
-        extra["note"] = "5x not judged: HF static cache + torch.compile not measured (EMBER_BENCH_HF_COMPILE=1)"
+        extra["note"] = "5x not judged: HF static cache + torch.compile not measured (ember bench moe --hf-compile)"
     rows.append(Row("qwen3_moe_30b_a3b_bf16_b1", "tok/s", r["tok_s"], hf_best, "HF transformers 5.17 generate (faster of default / static+compile)",
                     target=">= 400 tok/s and >= 5x HF", meets=meets, extra=extra))
 

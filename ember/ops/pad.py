@@ -3,8 +3,10 @@
 ``pad(x, pad, value)`` follows ``torch.nn.functional.pad(x, pad, mode="constant", value=value)``:
 ``pad`` lists (left, right) amounts starting from the LAST dimension, negative amounts crop. Any
 rank, any dtype (bool, integers, floats, fp8, complex), any strides; ``out=`` writes into a
-preallocated tensor. The result is bitwise equal to F.pad: the kernel moves the elements' bits and
-fills with the bits ``torch.full((), value, dtype=x.dtype)`` has, exactly as F.pad's fill does.
+preallocated tensor. ``value`` is a bool, int or float, taken as F.pad takes it: converted to a
+Python float, then to x's dtype (``True`` pads a bool tensor with True; an int past 2**53 rounds
+as a float does; a value x's dtype cannot hold is refused, as F.pad refuses it). The result is
+bitwise equal to F.pad: the kernel moves the elements' bits and fills with the bits F.pad's fill has.
 
 Why an op of our own: F.pad on a large rank-5 tensor materialises a padded copy through a generic
 path, and on some backends (Apple GPUs, rank-5, H*W >= 65536) it has silently corrupted data.
@@ -12,6 +14,7 @@ path, and on some backends (Apple GPUs, rank-5, H*W >= 65536) it has silently co
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -34,8 +37,8 @@ def _validate(x, pad, value, out) -> tuple[list[tuple[int, int]], list[int]]:
         raise ValueError(f"pad: expected an even number of amounts ((left, right) pairs), got {len(pad)}")
     if len(pad) // 2 > x.dim():
         raise ValueError(f"pad: expected at most {2 * x.dim()} amounts for a {x.dim()}-d x, got {len(pad)}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"value: expected a float, got {type(value).__name__}")
+    if isinstance(value, torch.Tensor) or not isinstance(value, numbers.Real):
+        raise TypeError(f"value: expected a bool, int or float, got {type(value).__name__}")
     amounts = [(0, 0)] * x.dim()
     for k in range(len(pad) // 2):
         amounts[x.dim() - 1 - k] = (int(pad[2 * k]), int(pad[2 * k + 1]))
@@ -59,8 +62,8 @@ def _validate(x, pad, value, out) -> tuple[list[tuple[int, int]], list[int]]:
 def pad_reference(x: torch.Tensor, pad: Sequence[int], value: float = 0.0) -> torch.Tensor:
     """The executable spec: fill the output, then copy the overlap of input and output."""
     amounts, shape = _validate(x, pad, value, None)
-    out = torch.full(shape, value, dtype=x.dtype, device=x.device) if x.dtype != torch.bool else \
-        torch.full(shape, bool(value), dtype=x.dtype, device=x.device)
+    _fill_bits(x.dtype, value)  # refuses a value x's dtype cannot hold, as F.pad does
+    out = torch.empty(shape, dtype=x.dtype, device=x.device).fill_(float(value))
     src, dst = [], []
     for n, (lo, hi) in zip(x.shape, amounts):
         # input index i lands at output index i + lo; keep the i that land inside [0, n + lo + hi)
@@ -88,13 +91,17 @@ def _split_pairs(dtype: torch.dtype) -> bool:
 
 def _fill_bits(dtype: torch.dtype, value: float) -> int:
     # keyed on repr: 0.0 == -0.0 (and hash alike) but their bits differ
-    return _fill_bits_cached(dtype, type(value), repr(value))
+    return _fill_bits_cached(dtype, repr(float(value)))
 
 
 @functools.lru_cache(maxsize=256)
-def _fill_bits_cached(dtype: torch.dtype, kind: type, text: str) -> int:
-    # cached: a CPU tensor, fill_ and .item() are host time every eager call would pay
-    fill = torch.empty((1,), dtype=dtype).fill_(kind(text))  # the same conversion F.pad's fill applies
+def _fill_bits_cached(dtype: torch.dtype, text: str) -> int:
+    # cached: a CPU tensor and .item() are host time every eager call would pay. F.pad's own fill
+    # of a one-element tensor: its conversion (and its overflow check) is the one used.
+    try:
+        fill = torch.nn.functional.pad(torch.zeros((1,), dtype=dtype), (1, 0), value=float(text))[:1]
+    except RuntimeError as e:  # "value cannot be converted to type ... without overflow"
+        raise ValueError(f"value: {text} does not fit in {dtype} ({e})") from None
     return int(_as_bits(fill).reshape(-1)[0].item())
 
 
@@ -117,6 +124,7 @@ def _merged_dims(xb: torch.Tensor, ob: torch.Tensor, amounts, complex_pair: bool
 
 
 def _impl(x: torch.Tensor, amounts, shape, value: float, out: torch.Tensor | None) -> torch.Tensor:
+    fill = _fill_bits(x.dtype, value)  # first: a value x's dtype cannot hold is refused even for empty outputs
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -125,9 +133,9 @@ def _impl(x: torch.Tensor, amounts, shape, value: float, out: torch.Tensor | Non
         out.copy_(_reference_from_amounts(x, amounts, value))
         return out
     k = _dispatch.kernels("pad")
-    fill = _fill_bits(x.dtype, value)
-    if _split_pairs(x.dtype) and value != 0:
-        # the pairs would need two fill values; rare enough to take the plain path
+    if _split_pairs(x.dtype) and fill != 0:
+        # the pairs would need two fill values (real part, +0.0 imaginary part; -0.0 too); rare
+        # enough to take the plain path
         out.copy_(_reference_from_amounts(x, amounts, value))
         return out
     xb, ob = _as_bits(x), _as_bits(out)
@@ -175,11 +183,13 @@ def _(x, pad, value, out):
 
 
 # ----------------------------------------------------------------------------- public API
-def pad(x: torch.Tensor, pad: Sequence[int], value: float = 0.0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def pad(x: torch.Tensor, pad: Sequence[int], value: bool | int | float = 0.0, *,
+        out: torch.Tensor | None = None) -> torch.Tensor:
     """Constant padding with ``F.pad``'s convention, in one kernel launch; returns the padded tensor.
 
-    ``pad`` = (last_left, last_right, second_last_left, ...); negative amounts crop. Works for any
-    rank, dtype and strides; with ``out`` the result is written there (and ``out`` is returned).
+    ``pad`` = (last_left, last_right, second_last_left, ...); negative amounts crop. ``value`` (bool,
+    int or float) converts to x's dtype as F.pad converts it. Works for any rank, dtype and
+    strides; with ``out`` the result is written there (and ``out`` is returned).
 
     Example:
         >>> x = torch.ones(1, 2, 3, 4, 5, dtype=torch.bfloat16)
@@ -187,6 +197,7 @@ def pad(x: torch.Tensor, pad: Sequence[int], value: float = 0.0, *, out: torch.T
         torch.Size([1, 2, 5, 6, 7])
     """
     amounts, shape = _validate(x, pad, value, out)
+    value = float(value)  # as F.pad converts it
     if _dispatch.compiling():
         if out is None:
             return _pad_op(x, list(pad), float(value))

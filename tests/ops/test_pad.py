@@ -260,6 +260,72 @@ def test_compiles_fullgraph():
     assert_bitwise(compiled(x), F.pad(x, (1, 2, 0, 1), value=0.5) * 2)
 
 
+# ------------------------------------------------------------------ value: bool, int, float as F.pad takes it
+VALUES = [True, False, 0, 1, 3, -2, 0.5, -2.5, -0.0]
+
+
+def _fits(dtype, value):
+    try:
+        F.pad(torch.empty(0, dtype=dtype), (1, 0), value=value)
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_value_bool_int_float_reference(dtype):
+    x = make((2, 3, 5), dtype, "transposed")
+    for value in VALUES:
+        if _fits(dtype, value):
+            assert_bitwise(pad_reference(x, (1, 2, 0, 1), value), F.pad(x, (1, 2, 0, 1), value=value))
+            assert_bitwise(ember.ops.pad(x, (1, 2, 0, 1), value), F.pad(x, (1, 2, 0, 1), value=value))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_value_bool_int_float_interpreter(interpreter, dtype):
+    x = make((2, 3, 37), dtype)
+    for value in VALUES:
+        if _fits(dtype, value):
+            assert_bitwise(ember.ops.pad(x, (3, 2, 1, 0), value), F.pad(x, (3, 2, 1, 0), value=value))
+
+
+@pytest.mark.parametrize("path", ["reference", "interpreter"])
+def test_bool_tensor_true_false_bitwise(request, path):
+    if path == "interpreter":
+        request.getfixturevalue("interpreter")
+    x = torch.rand(2, 3, 41) > 0.5
+    for value in (True, False, 1, 0, 1.0, 0.0, 2, 0.5):
+        for pad in [(1, 1, 1, 1, 2, 0), (5, 3), (-2, 7, 1, -1)]:
+            expected = F.pad(x, pad, value=value)
+            assert_bitwise(ember.ops.pad(x, pad, value), expected)
+            assert_bitwise(pad_reference(x, pad, value), expected)
+    assert ember.ops.pad(torch.zeros(2, dtype=torch.bool), (1, 1), True).tolist() == [True, False, False, True]
+
+
+def test_value_int_past_2_53_rounds_as_fpad_does():
+    x = torch.zeros(3, dtype=torch.int64)
+    big = 2 ** 53 + 1  # not a float: F.pad converts it to one first
+    assert_bitwise(ember.ops.pad(x, (1, 1), big), F.pad(x, (1, 1), value=big))
+    assert_bitwise(pad_reference(x, (1, 1), big), F.pad(x, (1, 1), value=big))
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.uint8, -1), (torch.int8, 300), (torch.float16, 1e300),
+                                          (torch.float8_e4m3fn, 1e300), (torch.int32, float("nan"))])
+def test_value_that_does_not_fit_is_refused_as_fpad_refuses_it(dtype, value):
+    x = torch.zeros(3, dtype=dtype)
+    with pytest.raises(RuntimeError):
+        F.pad(x, (1, 1), value=value)
+    for fn in (ember.ops.pad, pad_reference):
+        with pytest.raises(ValueError, match=f"value: .* does not fit in {dtype}"):
+            fn(x, (1, 1), value)
+
+
+@pytest.mark.parametrize("value", [1 + 2j, "1", torch.tensor(1.0), None])
+def test_value_of_another_type_is_refused(value):
+    with pytest.raises(TypeError, match="value: expected a bool, int or float"):
+        ember.ops.pad(torch.zeros(3), (1, 1), value)
+
+
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("args, kwargs, exc, words", [
     (("nope", (1, 1)), {}, TypeError, "x: expected a torch.Tensor"),
@@ -268,7 +334,7 @@ def test_compiles_fullgraph():
     ((torch.randn(3), (1.0, 1)), {}, TypeError, "pad: expected ints"),
     ((torch.randn(3), 2), {}, TypeError, "pad: expected a sequence"),
     ((torch.randn(3), (-2, -2)), {}, ValueError, "negative size -1 in dim 0"),
-    ((torch.randn(3), (1, 1), "a"), {}, TypeError, "value: expected a float"),
+    ((torch.randn(3), (1, 1), "a"), {}, TypeError, "value: expected a bool, int or float"),
     ((torch.randn(3), (1, 1)), {"out": torch.empty(4)}, ValueError, "out: expected shape (5,)"),
     ((torch.randn(3), (1, 1)), {"out": torch.empty(5, dtype=torch.float16)}, TypeError, "out: expected dtype"),
 ])

@@ -9,28 +9,15 @@
     cache rows 0..B-1, q returned as [B, T, NH, D]. One launch instead of ~20 (two norms, two
     rotations, transposes, two cache copies) per prefill layer; not yet used by the engine (see
     ``_common.Attention.prefill``).
-``qkv_proj_norm_rope_cache(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads=, eps=)``
-    the same with the qkv projection (h [B <= 8, H] x weight [(NH + 2 KVH) * D, H]^T) fused in
-    front: one launch instead of a GEMV plus the kernel above. Opt-in (``EMBER_FUSED_QKV=1``): slower
-    in the H200 decode step (2.807 vs 2.641 ms).
 ``decode_attention(q, k_cache, v_cache, seq_lens, scale=)``
     attends each row's query heads [B, NH, D] over the first ``seq_lens[b]`` cache entries (GQA:
     NH / KVH query heads share a kv head) and returns [B, NH * D]. The kernel reads only the live
-    part of the cache (split over the sequence, then one combine), so its cost grows with the
-    context actually used, not with max_seq_len.
+    part of the cache (split over the sequence, then one combine), and the reference only the
+    positions below the longest row's length, so the cost grows with the context actually used,
+    not with max_seq_len.
 
-``qk_norm_rope_attention(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache, num_heads=,
-eps=, scale=)``
-    ``decode_attention(qk_norm_rope_cache(...), ...)`` in one launch: every attention program
-    normalises and rotates its own query heads and the new k from qkv, uses the new k, v in place of
-    their cache entry, and one program per (row, kv head) writes them into the cache. Opt-in in the
-    models (``EMBER_ATTN_FUSED_ROPE=1``): the H200 decode step measured it slower (2.70 vs 2.58 ms).
-    On sm_90+ it reads the older cache entries, ``positions`` and ``seq_lens`` before waiting for the
-    kernel launched just before it (dependent launch): that kernel must not write them (in the models
-    it is the qkv projection).
-
-The decode ops read positions and lengths from device tensors and never sync the host, so they can be
-captured once and replayed per token. Math in float32; outputs in the I/O dtype.
+The decode kernels read positions and lengths from device tensors and never sync the host, so they can
+be captured once and replayed per token. Math in float32; outputs in the I/O dtype.
 """
 from __future__ import annotations
 
@@ -87,7 +74,7 @@ def _validate_qkv_heads(qkv, k_cache, num_heads):
 
 
 def _validate_norm_rope_args(rows_name, B, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps):
-    """Checks shared by qk_norm_rope_cache and qkv_proj_norm_rope_cache (the caches are checked already)."""
+    """Checks shared by the decode and prefill norm + RoPE ops (the caches are checked already)."""
     S, D = k_cache.shape[2], k_cache.shape[3]
     if B > k_cache.shape[0]:
         raise ValueError(f"{rows_name}: expected at most {k_cache.shape[0]} rows (the cache's batch), got {B}")
@@ -118,33 +105,6 @@ def _validate_prefill_rope(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_
     if T > k_cache.shape[2]:
         raise ValueError(f"qkv: expected at most {k_cache.shape[2]} tokens (the cache's length), got {T}")
     return _validate_norm_rope_args("qkv", B, q_norm, k_norm, cos, sin, None, k_cache, v_cache, eps)
-
-
-_FUSED_MAX_ROWS = 8  # decode batch sizes; the kernel pads rows to a 16-row dot tile
-
-
-def _validate_fused(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
-    _checks.tensor("h", h, dtypes=_checks.FLOAT_DTYPES, ndim=2)
-    _checks.tensor("weight", weight, dtypes=_checks.FLOAT_DTYPES, ndim=2)
-    _checks.same_dtype(h=h, weight=weight)
-    _validate_cache(k_cache, v_cache, h.dtype)
-    _, kvh, _, D = k_cache.shape
-    B, H = h.shape
-    if not 1 <= B <= _FUSED_MAX_ROWS:
-        raise ValueError(f"h: expected 1 to {_FUSED_MAX_ROWS} rows (decode batch), got {B}")
-    if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % kvh:
-        raise ValueError(f"num_heads: expected a positive multiple of the cache's {kvh} kv heads, got {num_heads!r}")
-    want = ((num_heads + 2 * kvh) * D, H)
-    if tuple(weight.shape) != want:
-        raise ValueError(f"weight: expected shape [(num_heads + 2 * kv_heads) * head_dim, hidden] = {list(want)}, "
-                         f"got {list(weight.shape)}")
-    if weight.stride(1) != 1:
-        raise ValueError(f"weight: expected a contiguous last dimension (row-major [out, hidden]), got strides "
-                         f"{weight.stride()}")
-    if D < 16:
-        raise ValueError(f"k_cache: expected head dim >= 16 (the kernel's dot tile), got {D}")
-    _checks.same_device(h=h, weight=weight, k_cache=k_cache)
-    return _validate_norm_rope_args("h", B, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, eps)
 
 
 def _validate_attention(q, k_cache, v_cache, seq_lens, scale):
@@ -219,33 +179,24 @@ def prefill_qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, k_cache,
     return q
 
 
-def qkv_proj_norm_rope_cache_reference(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads,
-                                       eps):
-    """Spec: the two-step path, ``qk_norm_rope_cache`` of ``F.linear(h, weight)`` (qkv rounded to the I/O
-    dtype before the norm)."""
-    return qk_norm_rope_cache_reference(torch.nn.functional.linear(h, weight), q_norm, k_norm, cos, sin, positions,
-                                        k_cache, v_cache, num_heads, eps)
-
-
 def decode_attention_reference(q, k_cache, v_cache, seq_lens, scale):
-    """Spec: softmax(q k^T * scale) v over cache entries [0, seq_lens[b]) in float32."""
+    """Spec: softmax(q k^T * scale) v over cache entries [0, seq_lens[b]) in float32.
+
+    Reads the cache only below the longest row's length (at least one position, so that a length of 0
+    gives NaN as the kernel does), not its whole max_seq_len: one host read of the lengths, skipped
+    while a CUDA graph is being captured (a GPU without Triton kernels), which reads the whole cache."""
     B, NH, D = q.shape
     kvh, S = k_cache.shape[1], k_cache.shape[2]
+    if not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        S = max(1, min(S, int(seq_lens.max()))) if B else S
     g = NH // kvh
     qf = q.float().reshape(B, kvh, g, D)
-    k, v = k_cache[:B].float(), v_cache[:B].float()
+    k, v = k_cache[:B, :, :S].float(), v_cache[:B, :, :S].float()
     scores = torch.einsum("bhgd,bhsd->bhgs", qf, k) * scale
     live = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
     scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgs,bhsd->bhgd", scores.softmax(-1), v)
     return out.reshape(B, NH * D).to(q.dtype)
-
-
-def qk_norm_rope_attention_reference(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache, num_heads,
-                                     eps, scale):
-    """Spec: :func:`qk_norm_rope_cache_reference` (which writes k, v), then :func:`decode_attention_reference`."""
-    q = qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
-    return decode_attention_reference(q, k_cache, v_cache, seq_lens, scale)
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -254,46 +205,32 @@ def _rope_impl(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_h
     if not _dispatch.use_triton(qkv):
         return qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps,
                                             prenorm_h, prenorm_eps)
+    _dispatch.prepare_triton()
+    from ember.kernels import attention as kernels
     q = torch.empty(qkv.shape[0], num_heads, k_cache.shape[3], dtype=qkv.dtype, device=qkv.device)
-    _dispatch.kernels("attention").qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q, eps,
-                                                      prenorm_h, prenorm_eps)
+    kernels.qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, q, eps, prenorm_h,
+                               prenorm_eps)
     return q
 
 
 def _prefill_rope_impl(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps):
     if not _dispatch.use_triton(qkv):
         return prefill_qk_norm_rope_cache_reference(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps)
+    _dispatch.prepare_triton()
+    from ember.kernels import attention as kernels
     B, T, _ = qkv.shape
     q = torch.empty(B, T, num_heads, k_cache.shape[3], dtype=qkv.dtype, device=qkv.device)
-    _dispatch.kernels("attention").prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, q, eps)
-    return q
-
-
-def _fused_impl(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
-    if not _dispatch.use_triton(h):
-        return qkv_proj_norm_rope_cache_reference(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
-                                                  num_heads, eps)
-    q = torch.empty(h.shape[0], num_heads, k_cache.shape[3], dtype=h.dtype, device=h.device)
-    _dispatch.kernels("attention").qkv_proj_norm_rope_cache(h, weight, q_norm, k_norm, cos, sin, positions, k_cache,
-                                                            v_cache, q, eps)
+    kernels.prefill_qk_norm_rope_cache(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, q, eps)
     return q
 
 
 def _attention_impl(q, k_cache, v_cache, seq_lens, scale):
     if not _dispatch.use_triton(q):
         return decode_attention_reference(q, k_cache, v_cache, seq_lens, scale)
+    _dispatch.prepare_triton()
+    from ember.kernels import attention as kernels
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-    _dispatch.kernels("attention").decode_attention(q, k_cache, v_cache, seq_lens, scale, out)
-    return out
-
-
-def _rope_attention_impl(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache, num_heads, eps, scale):
-    if not _dispatch.use_triton(qkv):
-        return qk_norm_rope_attention_reference(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache,
-                                                num_heads, eps, scale)
-    out = torch.empty(qkv.shape[0], num_heads * k_cache.shape[3], dtype=qkv.dtype, device=qkv.device)
-    _dispatch.kernels("attention").decode_attention(None, k_cache, v_cache, seq_lens, scale, out,
-                                                    rope=(qkv, q_norm, k_norm, cos, sin, positions, eps))
+    kernels.decode_attention(q, k_cache, v_cache, seq_lens, scale, out)
     return out
 
 
@@ -323,18 +260,6 @@ def _(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads, k_cache.shape[3])
 
 
-@torch.library.custom_op("ember::qkv_proj_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
-def _fused_op(h: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-              eps: float) -> torch.Tensor:
-    return _fused_impl(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
-
-
-@_fused_op.register_fake
-def _(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps):
-    return h.new_empty(h.shape[0], num_heads, k_cache.shape[3])
-
-
 @torch.library.custom_op("ember::decode_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                   scale: float) -> torch.Tensor:
@@ -344,19 +269,6 @@ def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @_attention_op.register_fake
 def _(q, k_cache, v_cache, seq_lens, scale):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-
-@torch.library.custom_op("ember::qk_norm_rope_attention", mutates_args=("k_cache", "v_cache"))
-def _rope_attention_op(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, num_heads: int, eps: float, scale: float) -> torch.Tensor:
-    return _rope_attention_impl(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache, num_heads, eps,
-                                scale)
-
-
-@_rope_attention_op.register_fake
-def _(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache, num_heads, eps, scale):
-    return qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[3])
 
 
 # ----------------------------------------------------------------------------- public API
@@ -407,37 +319,14 @@ def prefill_qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: 
     return _prefill_rope_impl(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, num_heads, eps)
 
 
-def qkv_proj_norm_rope_cache(h: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
-                             cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, *, num_heads: int, eps: float = 1e-6) -> torch.Tensor:
-    """``qk_norm_rope_cache(h @ weight.T, ...)`` in one launch for decode (1 to 8 rows); returns q [B, NH, D].
-
-    ``weight`` is the unquantised fused qkv projection [(NH + 2 KVH) * D, H] (row-major, no bias).
-    Same rounding as the two-step path: the projection is rounded to the I/O dtype before the norm,
-    so results differ from it only by the GEMV's summation order. Opt-in in the models
-    (``EMBER_FUSED_QKV=1``): the H200 decode step measured it slower (2.807 vs 2.641 ms).
-
-    Example:
-        >>> B, H, NH, KVH, D, S = 1, 64, 4, 2, 16, 32
-        >>> kc, vc = torch.zeros(B, KVH, S, D), torch.zeros(B, KVH, S, D)
-        >>> cos, sin = torch.ones(S, D // 2), torch.zeros(S, D // 2)
-        >>> q = ember.ops.attention.qkv_proj_norm_rope_cache(torch.randn(B, H), torch.randn((NH + 2 * KVH) * D, H),
-        ...     torch.ones(D), torch.ones(D), cos, sin, torch.tensor([3]), kc, vc, num_heads=NH)
-    """
-    eps = _validate_fused(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
-    if _dispatch.compiling():
-        return _fused_op(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
-    return _fused_impl(h, weight, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                      *, scale: float) -> torch.Tensor:
     """Attention of one query token per row over the first ``seq_lens[b]`` cache entries; [B, NH * D].
 
     On sm_90+ the kernel reads ``seq_lens`` before waiting for the kernel launched just before it
-    (programmatic dependent launch; ``EMBER_EARLY_LOADS=none`` turns that off): write the lengths two
-    or more kernels earlier in the stream, as the engine does (once per step, before the layers),
-    not in the kernel launched right before this call.
+    (programmatic dependent launch): write the lengths two or more kernels earlier in the stream, as
+    the engine does (once per step, before the layers), not in the kernel launched right before this
+    call.
 
     Example:
         >>> q, kc, vc = torch.randn(1, 4, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
@@ -448,27 +337,3 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return _attention_op(q, k_cache, v_cache, seq_lens, scale)
     return _attention_impl(q, k_cache, v_cache, seq_lens, scale)
 
-
-def qk_norm_rope_attention(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, *, num_heads: int, eps: float = 1e-6,
-                           scale: float) -> torch.Tensor:
-    """:func:`qk_norm_rope_cache` then :func:`decode_attention`, one launch on CUDA; returns [B, NH * D].
-
-    The new k, v are written into the caches at ``positions`` as the two-step path writes them, and
-    attended wherever ``seq_lens`` covers their position.
-
-    Example:
-        >>> B, NH, KVH, D, S = 1, 4, 2, 16, 32
-        >>> kc, vc = torch.zeros(B, KVH, S, D), torch.zeros(B, KVH, S, D)
-        >>> cos, sin = torch.ones(S, D // 2), torch.zeros(S, D // 2)
-        >>> out = ember.ops.attention.qk_norm_rope_attention(torch.randn(B, (NH + 2 * KVH) * D), torch.ones(D),
-        ...     torch.ones(D), cos, sin, torch.tensor([3]), torch.tensor([4]), kc, vc, num_heads=NH, scale=0.25)
-    """
-    eps = _validate_rope(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, num_heads, eps)
-    scale = _validate_lengths_scale("qkv", qkv, seq_lens, scale)
-    if _dispatch.compiling():
-        return _rope_attention_op(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache, num_heads,
-                                  eps, scale)
-    return _rope_attention_impl(qkv, q_norm, k_norm, cos, sin, positions, seq_lens, k_cache, v_cache, num_heads, eps,
-                                scale)

@@ -4,9 +4,13 @@ import math
 import pytest
 import torch
 
+from ember import tuning
 from ember.models._common import rope_tables
 from ember.ops import attention as A
-from tests.helpers import poisoned
+
+# tuning entries that force where the decode-attention splits combine (any split count is <= 64)
+ONE_LAUNCH = {"decode_split": {"one_launch_min_splits": 1}}
+TWO_LAUNCHES = {"decode_split": {"one_launch_min_splits": 1024}}
 
 
 def _attention_f64(q, kc, vc, lens, scale):
@@ -35,6 +39,42 @@ def test_reference_attention_matches_float64():
     lens = torch.tensor([1, 17, 40], dtype=torch.int32)
     got = A.decode_attention_reference(q, kc, vc, lens, 0.25)
     torch.testing.assert_close(got.double(), _attention_f64(q, kc, vc, lens.tolist(), 0.25), atol=1e-5, rtol=1e-5)
+
+
+def _whole_cache_attention(q, kc, vc, lens, scale):
+    """Masked attention over every cache position (what the reference computed before it read only the
+    live length)."""
+    B, NH, D = q.shape
+    kvh, S = kc.shape[1], kc.shape[2]
+    scores = torch.einsum("bhgd,bhsd->bhgs", q.float().reshape(B, kvh, NH // kvh, D), kc[:B].float()) * scale
+    live = torch.arange(S)[None, :] < lens[:, None]
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    return torch.einsum("bhgs,bhsd->bhgd", scores.softmax(-1), vc[:B].float()).reshape(B, NH * D)
+
+
+def test_reference_reads_only_the_live_length():
+    """The reference attends over the cache only below the longest row's length: what lies past it
+    (NaN here) is never read, and the result equals the whole-cache computation on a finite cache."""
+    q = torch.randn(2, 8, 16)
+    kc, vc = torch.randn(3, 2, 4096, 16), torch.randn(3, 2, 4096, 16)
+    lens = torch.tensor([37, 100], dtype=torch.int32)
+    full = _whole_cache_attention(q, kc, vc, lens, 0.25)
+    torch.testing.assert_close(full.double(), _attention_f64(q, kc, vc, lens.tolist(), 0.25), atol=1e-5, rtol=1e-5)
+    got = A.decode_attention_reference(q, kc, vc, lens, 0.25)
+    torch.testing.assert_close(got, full, atol=1e-6, rtol=1e-6)  # float32, sums over fewer zeros
+    kc[:, :, 100:], vc[:, :, 100:] = float("nan"), float("nan")
+    assert torch.equal(A.decode_attention_reference(q, kc, vc, lens, 0.25), got)
+    assert torch.isnan(A.decode_attention_reference(q, kc, vc, torch.tensor([37, 101]), 0.25)).any()
+
+
+def test_reference_length_zero_and_past_the_cache():
+    """Length 0 gives NaN (no position to attend, as the kernel gives); a length past the cache attends
+    over all of it."""
+    q, kc, vc = torch.randn(2, 4, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    out = A.decode_attention_reference(q, kc, vc, torch.tensor([0, 50]), 0.25)
+    assert torch.isnan(out[0]).all()
+    torch.testing.assert_close(out[1:].double(), _attention_f64(q[1:], kc[1:], vc[1:], [40], 0.25), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_reference_rope_matches_float64():
@@ -186,19 +226,22 @@ def test_prefill_kernel_matches_reference_interpreter(interpreter, dtype, gate):
     assert torch.equal(kc[:, :, T:], kc2[:, :, T:]) and torch.equal(kc[B], kc2[B])  # nothing else written
 
 
-def test_prefill_rope_tile_override_interpreter(interpreter, monkeypatch):
-    """EMBER_PREFILL_ROPE_TILE (prefill sweeps) changes only how token rows are grouped into programs:
-    the same bits as the default tile; a BLOCK_T that is not a power of 2 is named."""
+def test_prefill_rope_tile_override_interpreter(interpreter):
+    """A "prefill_rope" tuning entry (sweeps) changes only how token rows are grouped into programs: the
+    same bits as the default tile; a BLOCK_T that is not a power of 2 is named."""
     B, T, NH, KVH, D, S = 2, 5, 4, 2, 16, 8
     qkv, qn, kn, cos, sin, kc, vc = _prefill_inputs(B, T, NH, KVH, D, S, torch.bfloat16)
     kc2, vc2 = kc.clone(), vc.clone()
     q = A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc, vc, num_heads=NH)
-    monkeypatch.setenv("EMBER_PREFILL_ROPE_TILE", "2,1")
-    q2 = A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc2, vc2, num_heads=NH)
+    with tuning.override("attention", {"prefill_rope": {"BLOCK_T": 2, "num_warps": 1}}):
+        q2 = A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc2, vc2, num_heads=NH)
     assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    monkeypatch.setenv("EMBER_PREFILL_ROPE_TILE", "3,1")
-    with pytest.raises(ValueError, match="EMBER_PREFILL_ROPE_TILE"):
-        A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc2, vc2, num_heads=NH)
+    with tuning.override("attention", {"prefill_rope": {"BLOCK_T": 3}}):
+        with pytest.raises(ValueError, match="attention/prefill_rope: BLOCK_T must be a power of 2"):
+            A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc2, vc2, num_heads=NH)
+    with tuning.override("attention", {"prefill_rope": {"BLOCK_ROWS": 4}}):
+        with pytest.raises(ValueError, match="tuning entry attention/prefill_rope"):
+            A.prefill_qk_norm_rope_cache(qkv, qn, kn, cos, sin, kc2, vc2, num_heads=NH)
 
 
 def test_prefill_bad_input():
@@ -270,159 +313,39 @@ def test_prenorm_real_shapes_in_graph(cuda):
     torch.testing.assert_close(vc.float(), vc2.float(), atol=2e-2, rtol=1.6e-2)
 
 
-# ----------------------------------------------------------------------------- fused qkv projection
-def _fused_inputs(B, H, NH, KVH, D, S, dtype, device="cpu"):
-    h = torch.randn(B, H, device=device).to(dtype)
-    w = (torch.randn((NH + 2 * KVH) * D, H, device=device) * H ** -0.5).to(dtype)
-    qn, kn = (torch.rand(D, device=device) + 0.5).to(dtype), (torch.rand(D, device=device) + 0.5).to(dtype)
-    cos, sin = rope_tables(D, 10000.0, S, device)
-    # NaN-poisoned caches: a slot the kernel should write and does not stays NaN and fails.
-    kc, vc = poisoned((B + 1, KVH, S, D), dtype, device), poisoned((B + 1, KVH, S, D), dtype, device)
-    return h, w, qn, kn, cos, sin, kc, vc
-
-
-def _two_step(h, w, qn, kn, cos, sin, pos, kc, vc, NH):
-    """Today's decode path: the GEMV (rounded to the I/O dtype), then the qk_norm_rope_cache op."""
-    return A.qk_norm_rope_cache(torch.nn.functional.linear(h, w), qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
-
-
-def _check_written(kc, vc, pos):
-    for b, p in enumerate(pos.tolist()):
-        assert torch.isfinite(kc[b, :, p]).all() and torch.isfinite(vc[b, :, p]).all()
-    written = torch.zeros(kc.shape[0], kc.shape[2], dtype=torch.bool)
-    written[torch.arange(len(pos)), pos.cpu()] = True
-    assert torch.isnan(kc.permute(0, 2, 1, 3)[~written]).all()  # nothing written elsewhere
-    assert torch.isnan(vc.permute(0, 2, 1, 3)[~written]).all()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B", [1, 3])
-def test_fused_qkv_matches_two_step_interpreter(interpreter, dtype, B):
-    H, NH, KVH, D, S = 64, 4, 2, 16, 24
-    h, w, qn, kn, cos, sin, kc, vc = _fused_inputs(B, H, NH, KVH, D, S, dtype)
-    pos = torch.tensor([5, 0, 23][:B])
-    kc2, vc2 = kc.clone(), vc.clone()
-    q = A.qkv_proj_norm_rope_cache(h, w, qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
-    q_ref = _two_step(h, w, qn, kn, cos, sin, pos, kc2, vc2, NH)
-    _check_written(kc, vc, pos)
-    _check_written(kc2, vc2, pos)
-    # fp32: only the GEMV's summation order differs. bf16: the qkv rounding may land one ulp apart,
-    # which the norm and RoPE carry through (each output rounded once more).
-    tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 8e-3)
-    assert q.shape == (B, NH, D) and torch.isfinite(q).all()
-    torch.testing.assert_close(q.float(), q_ref.float(), atol=tol[0], rtol=tol[1])
-    torch.testing.assert_close(kc.float(), kc2.float(), atol=tol[0], rtol=tol[1], equal_nan=True)
-    torch.testing.assert_close(vc.float(), vc2.float(), atol=tol[0], rtol=tol[1], equal_nan=True)
-    if dtype == torch.float32:  # and both agree with float64 math
-        q64 = A.qkv_proj_norm_rope_cache_reference(h.double(), w.double(), qn.double(), kn.double(), cos.double(),
-                                                   sin.double(), pos, kc2.double(), vc2.double(), NH, 1e-6)
-        torch.testing.assert_close(q.double(), q64, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_qkv_same_bits_when_gemv_is_exact_interpreter(interpreter, dtype):
-    # Small-integer h and weight: every partial sum is exact in fp32, so the GEMV's summation order
-    # cannot matter and the fused epilogue must reproduce the two-step path bit for bit.
-    B, H, NH, KVH, D, S = 3, 64, 4, 2, 16, 24
-    _, _, qn, kn, cos, sin, kc, vc = _fused_inputs(B, H, NH, KVH, D, S, dtype)
-    h = torch.randint(-4, 5, (B, H)).to(dtype)
-    w = torch.randint(-8, 9, ((NH + 2 * KVH) * D, H)).to(dtype)
-    pos = torch.tensor([7, 23, 1])
-    kc2, vc2 = kc.clone(), vc.clone()
-    q = A.qkv_proj_norm_rope_cache(h, w, qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
-    q_ref = _two_step(h, w, qn, kn, cos, sin, pos, kc2, vc2, NH)
-    _check_written(kc, vc, pos)
-    assert torch.equal(q, q_ref)
-    torch.testing.assert_close(kc, kc2, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(vc, vc2, atol=0, rtol=0, equal_nan=True)
-
-
-def test_fused_qkv_opt_in_from_attention_decode(interpreter, monkeypatch):
-    from ember.models._common import Attention, AttentionConfig, Linear
-    H, NH, KVH, D, S, B = 64, 4, 2, 16, 24, 3
-    cfg = AttentionConfig(hidden_size=H, num_heads=NH, num_kv_heads=KVH, head_dim=D, rope_theta=10000.0,
-                          rms_norm_eps=1e-6)
-    h, w, qn, kn, cos, sin, _, _ = _fused_inputs(B, H, NH, KVH, D, S, torch.float32)
-    attn = Attention(cfg, Linear(w), Linear(torch.randn(H, NH * D) * 0.1), qn, kn)
-    pos = torch.tensor([4, 11, 0])
-    lens = (pos + 1).to(torch.int32)
-    calls = []
-    real = A.qkv_proj_norm_rope_cache
-    monkeypatch.setattr(A, "qkv_proj_norm_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
-    outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("EMBER_FUSED_QKV", flag)
-        cache = (torch.zeros(B, KVH, S, D), torch.zeros(B, KVH, S, D))
-        outs[flag] = attn.decode(h, pos, lens, cos, sin, cache)
-        assert len(calls) == int(flag)  # read per call: off, then on
-    torch.testing.assert_close(outs["1"], outs["0"], atol=1e-5, rtol=1e-5)
-
-
-def test_fused_qkv_bad_input():
-    H, NH, KVH, D, S = 64, 4, 2, 16, 24
-    h, w, qn, kn, cos, sin, kc, vc = _fused_inputs(1, H, NH, KVH, D, S, torch.float32)
-    kc, vc = torch.zeros(9, KVH, S, D), torch.zeros(9, KVH, S, D)
-    pos = torch.tensor([0])
-    with pytest.raises(ValueError, match="h: expected 1 to 8 rows"):
-        A.qkv_proj_norm_rope_cache(torch.randn(9, H), w, qn, kn, cos, sin, torch.zeros(9, dtype=torch.long), kc, vc,
-                                   num_heads=NH)
-    with pytest.raises(ValueError, match=r"weight: expected shape .*\[128, 64\], got \[128, 32\]"):
-        A.qkv_proj_norm_rope_cache(h, w[:, :32], qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
-    with pytest.raises(TypeError, match="weight: expected dtype torch.float32"):
-        A.qkv_proj_norm_rope_cache(h, w.bfloat16(), qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
-    with pytest.raises(ValueError, match="weight: expected a contiguous last dimension"):
-        A.qkv_proj_norm_rope_cache(h, w.t().contiguous().t(), qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
-    with pytest.raises(ValueError, match="positions: expected length 1 \\(rows of h\\)"):
-        A.qkv_proj_norm_rope_cache(h, w, qn, kn, cos, sin, torch.tensor([0, 1]), kc, vc, num_heads=NH)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 8])
-def test_fused_qkv_real_shapes(cuda, B):
-    H, NH, KVH, D, S = 2048, 32, 4, 128, 4096  # Qwen3-30B-A3B attention
-    h, w, qn, kn, cos, sin, kc, vc = _fused_inputs(B, H, NH, KVH, D, S, torch.bfloat16, cuda)
-    pos = torch.tensor([4095, 0, 17, 1000, 2048, 3, 511, 77][:B], device=cuda)
-    kc2, vc2 = kc.clone(), vc.clone()
-    q = A.qkv_proj_norm_rope_cache(h, w, qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
-    q_ref = _two_step(h, w, qn, kn, cos, sin, pos, kc2, vc2, NH)
-    torch.testing.assert_close(q.float(), q_ref.float(), atol=1e-2, rtol=8e-3)
-    torch.testing.assert_close(kc.float(), kc2.float(), atol=1e-2, rtol=8e-3, equal_nan=True)
-    torch.testing.assert_close(vc.float(), vc2.float(), atol=1e-2, rtol=8e-3, equal_nan=True)
-    _check_written(kc, vc, pos)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_launch_combine_matches_two_launch_interpreter(interpreter, monkeypatch, dtype):
-    """EMBER_ATTN_ONE_LAUNCH=1 (the last split program combines) gives the two-launch result."""
+def test_one_launch_combine_matches_two_launch_interpreter(interpreter, dtype):
+    """The splits combined by their last program (one launch) give the two-launch result."""
     B, NH, KVH, D, S = 3, 8, 2, 16, 130
     q = torch.randn(B, NH, D).to(dtype)
     kc, vc = torch.randn(B, KVH, S, D).to(dtype), torch.randn(B, KVH, S, D).to(dtype)
     lens = torch.tensor([1, 64, 130], dtype=torch.int32)
-    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "0")
-    two = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
-    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
-    for _ in range(2):  # the second call proves the arrival counters were reset
-        one = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
-        torch.testing.assert_close(one.float(), two.float(), atol=1e-6 if dtype == torch.float32 else 8e-3, rtol=1e-5)
+    with tuning.override("attention", TWO_LAUNCHES):
+        two = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+    with tuning.override("attention", ONE_LAUNCH):
+        for _ in range(2):  # the second call proves the arrival counters were reset
+            one = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+            torch.testing.assert_close(one.float(), two.float(), atol=1e-6 if dtype == torch.float32 else 8e-3,
+                                       rtol=1e-5)
     ref = _attention_f64(q, kc, vc, lens.tolist(), D ** -0.5)
     tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 8e-3)
     torch.testing.assert_close(one.double(), ref, atol=tol[0], rtol=tol[1])
 
 
 @pytest.mark.gpu
-def test_one_launch_combine_real_shapes_in_graph(cuda, monkeypatch):
+def test_one_launch_combine_real_shapes_in_graph(cuda):
     NH, KVH, D, S, B = 32, 4, 128, 4096, 8
     lens = torch.tensor([1, 7, 128, 999, 4096, 33, 2048, 64], device=cuda, dtype=torch.int32)
     q = torch.randn(B, NH, D, device=cuda).bfloat16()
     kc, vc = torch.randn(B, KVH, S, D, device=cuda).bfloat16(), torch.randn(B, KVH, S, D, device=cuda).bfloat16()
-    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
-    out = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
-    torch.testing.assert_close(out.float(), A.decode_attention_reference(q, kc, vc, lens, D ** -0.5).float(),
-                               atol=1e-2, rtol=8e-3)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out_g = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
-    for i in range(200):
+    with tuning.override("attention", ONE_LAUNCH):
+        out = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+        torch.testing.assert_close(out.float(), A.decode_attention_reference(q, kc, vc, lens, D ** -0.5).float(),
+                                   atol=1e-2, rtol=8e-3)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out_g = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+    for i in range(200):  # replayed outside the override: the graph keeps the tile it was captured with
         q.copy_(torch.randn_like(q))
         g.replay()
         if i % 50 == 0:
@@ -430,19 +353,32 @@ def test_one_launch_combine_real_shapes_in_graph(cuda, monkeypatch):
                                        atol=1e-2, rtol=8e-3)
 
 
-# ----------------------------------------------------------------------------- one-launch combine (default)
+# ----------------------------------------------------------------------------- where the splits combine
 def _kernels():
     from ember import _dispatch
-    return _dispatch.kernels("attention")
+    _dispatch.prepare_triton()
+    from ember.kernels import attention
+    return attention
 
 
-def _both_paths(monkeypatch, q, kc, vc, lens, scale):
+class _LaunchSpy:
+    """Stands in for a Triton kernel and counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def _both_paths(q, kc, vc, lens, scale):
     """(one-launch, two-launch) outputs; asserts the arrival counters are back at 0 after the call."""
     K = _kernels()
     outs = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", flag)
-        outs.append(A.decode_attention(q, kc, vc, lens, scale=scale))
+    for entries in (ONE_LAUNCH, TWO_LAUNCHES):
+        with tuning.override("attention", entries):
+            outs.append(A.decode_attention(q, kc, vc, lens, scale=scale))
     cnt = K.arrival_counters("decode_attention", q.device, q.shape[0] * kc.shape[1])
     assert int(cnt.abs().sum()) == 0
     return outs
@@ -459,7 +395,7 @@ def _assert_one_vs_two(one, two, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_launch_live_splits_only_interpreter(interpreter, monkeypatch, dtype):
+def test_one_launch_live_splits_only_interpreter(interpreter, dtype):
     """16 splits of 32 positions per (row, kv head): length 1 (one live split), 64 (exactly two
     blocks: a split boundary), 150 (5 of 16 live); then the same lengths tensor updated in place (as a
     graph replay sees it) to a full cache, a boundary and a length 0 < x < 32, reusing the counters."""
@@ -471,7 +407,7 @@ def test_one_launch_live_splits_only_interpreter(interpreter, monkeypatch, dtype
     tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 8e-3)
     for new_lens in ([1, 64, 150], [512, 32, 17]):
         lens.copy_(torch.tensor(new_lens))
-        one, two = _both_paths(monkeypatch, q, kc, vc, lens, D ** -0.5)
+        one, two = _both_paths(q, kc, vc, lens, D ** -0.5)
         _assert_one_vs_two(one, two, dtype)
         torch.testing.assert_close(one.double(), _attention_f64(q, kc, vc, new_lens, D ** -0.5), atol=tol[0],
                                    rtol=tol[1])
@@ -488,37 +424,57 @@ def test_one_launch_strided_blocks_and_multi_step_combine_interpreter(interprete
     kc, vc = torch.randn(B, KVH, S, D), torch.randn(B, KVH, S, D)
     for lens in ([200, 96], [33, 224]):  # 7 and 3 blocks; 2 blocks (one partial), all 7
         t = torch.tensor(lens, dtype=torch.int32)
-        one, two = _both_paths(monkeypatch, q, kc, vc, t, D ** -0.5)
+        one, two = _both_paths(q, kc, vc, t, D ** -0.5)
         _assert_one_vs_two(one, two, torch.float32)
         torch.testing.assert_close(one.double(), _attention_f64(q, kc, vc, lens, D ** -0.5), atol=1e-5, rtol=1e-5)
 
 
-def test_one_launch_default_by_split_count_and_env_switch(monkeypatch):
+def test_combine_launch_follows_the_tuning_entry(monkeypatch):
+    """``one_launch_min_splits`` decides whether the second (combine) launch happens: read at each call,
+    per split count; a malformed entry is a ValueError naming it."""
     K = _kernels()
-    monkeypatch.delenv("EMBER_ATTN_ONE_LAUNCH", raising=False)
-    assert K.one_launch(K.ONE_LAUNCH_MIN_SPLITS) and not K.one_launch(K.ONE_LAUNCH_MIN_SPLITS // 2)
-    assert K.one_launch(K._split_plan(4096, 4)[0])      # batch-1 Qwen3-30B-A3B, 4096-token cache: 64 splits
-    assert K.one_launch(K._split_plan(400, 4)[0])       # a 400-token cache: 16 splits
-    assert not K.one_launch(K._split_plan(400, 32)[0])  # batch 8 (32 row x kv heads): 8 splits
-    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "0")
-    assert not K.one_launch(64)
-    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
-    assert K.one_launch(1)
+    spy = _LaunchSpy(K._decode_attention_combine_kernel)
+    monkeypatch.setattr(K, "_decode_attention_combine_kernel", spy)
+    q, kc, vc = torch.randn(1, 4, 16), torch.randn(1, 2, 256, 16), torch.randn(1, 2, 256, 16)
+    lens = torch.tensor([200], dtype=torch.int32)
+    nsplit = K._split_plan(256, 2)[0]
+    out = torch.empty(1, 64)
+    for min_splits, launches in ((nsplit, 0), (nsplit + 1, 1)):
+        with tuning.override("attention", {"decode_split": {"one_launch_min_splits": min_splits}}):
+            K.decode_attention(q, kc, vc, lens, 0.25, out)
+        assert spy.launches == launches
+        torch.testing.assert_close(out.double(), _attention_f64(q, kc, vc, [200], 0.25), atol=1e-5, rtol=1e-5)
+    for bad in ({"one_launch_min_splits": 0}, {"warps": 4}, {"num_warps": 2.0}):
+        with tuning.override("attention", {"decode_split": bad}), pytest.raises(ValueError, match="attention/decode_split"):
+            K.decode_attention(q, kc, vc, lens, 0.25, out)
+
+
+def test_shipped_h200_entries_are_well_formed():
+    """The H200's measured entries parse as the kernels read them (every field known, a valid tile)."""
+    K = _kernels()
+    h200 = tuning.DeviceInfo("NVIDIA H200", (9, 0))
+    for key, rule in (("decode_split", K.DECODE_SPLIT_RULE), ("prefill_rope", K.PREFILL_ROPE_RULE)):
+        entry = tuning.lookup("attention", key, h200)
+        assert entry is not None, key
+        t = K.tile(key, rule, h200)
+        assert set(t) == set(rule) and all(isinstance(v, int) and v >= 1 for v in t.values())
+        if key == "prefill_rope":
+            assert t["BLOCK_T"] & (t["BLOCK_T"] - 1) == 0
 
 
 @pytest.mark.gpu
-def test_one_launch_graph_replays_with_changing_lengths(cuda, monkeypatch):
+def test_one_launch_graph_replays_with_changing_lengths(cuda):
     """Qwen3-30B-A3B batch-1 decode as the engine runs it: one graph captured at one length, replayed
     at others (most of the 64 splits empty, split boundaries, the full cache), vs the two-launch path."""
     NH, KVH, D, S = 32, 4, 128, 4096
     q = torch.randn(1, NH, D, device=cuda).bfloat16()
     kc, vc = torch.randn(1, KVH, S, D, device=cuda).bfloat16(), torch.randn(1, KVH, S, D, device=cuda).bfloat16()
     lens = torch.tensor([130], device=cuda, dtype=torch.int32)
-    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
-    A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)  # compile outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out_g = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
+    with tuning.override("attention", ONE_LAUNCH):
+        A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out_g = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
     cnt = _kernels().arrival_counters("decode_attention", q.device, KVH)
     for n in [130, 1, 31, 32, 33, 64, 257, 260, 2048, 4095, 4096] * 20:
         lens.fill_(n)
@@ -526,84 +482,10 @@ def test_one_launch_graph_replays_with_changing_lengths(cuda, monkeypatch):
         g.replay()
         torch.cuda.synchronize()
         assert int(cnt.abs().sum()) == 0
-        monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "0")
-        two = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
-        monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", "1")
+        with tuning.override("attention", TWO_LAUNCHES):
+            two = A.decode_attention(q, kc, vc, lens, scale=D ** -0.5)
         # one bf16 ulp apart at most; atol for outputs that cancel to ~0 (|v| ~ 1), where the two
         # fp32 combine orders differ by ~1e-9 absolute (measured on the H200), i.e. any relative amount
         torch.testing.assert_close(out_g.float(), two.float(), atol=1e-6, rtol=2 ** -7)
         torch.testing.assert_close(out_g.float(), A.decode_attention_reference(q, kc, vc, lens, D ** -0.5).float(),
                                    atol=1e-2, rtol=8e-3)
-
-
-# ----------------------------------------------------------------------------- norm + RoPE folded into attention
-def _rope_then_attend(qkv, qn, kn, cos, sin, pos, lens, kc, vc, NH, scale):
-    """The unfused decode path: qk_norm_rope_cache (writes k, v), then decode_attention."""
-    q = A.qk_norm_rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, num_heads=NH)
-    return A.decode_attention(q, kc, vc, lens, scale=scale)
-
-
-@pytest.mark.parametrize("one_launch", ["1", "0"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_attention_matches_two_step_interpreter(interpreter, monkeypatch, dtype, one_launch):
-    """The fused op writes the same k, v into the caches and attends like the two ops, at positions
-    inside, at the start and at the end of a 32-position block, with rows past their position."""
-    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", one_launch)
-    B, NH, KVH, D, S = 4, 8, 2, 16, 70
-    qkv, qn, kn, cos, sin, _, kc, vc = _rope_inputs(B, NH, KVH, D, S, dtype)
-    pos = torch.tensor([0, 31, 32, 69])
-    lens = torch.tensor([1, 32, 40, 70], dtype=torch.int32)  # row 2 also attends 7 older entries past pos
-    kc2, vc2 = kc.clone(), vc.clone()
-    out = A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=NH, scale=D ** -0.5)
-    two = _rope_then_attend(qkv, qn, kn, cos, sin, pos, lens, kc2, vc2, NH, D ** -0.5)
-    assert torch.equal(vc, vc2)
-    if dtype == torch.float32:
-        torch.testing.assert_close(kc, kc2, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(out, two, atol=1e-5, rtol=1e-5)
-    else:  # the norm's sum of squares runs in another order: at most one bf16 ulp on a k or q value
-        torch.testing.assert_close(kc.float(), kc2.float(), atol=0, rtol=2 ** -7)
-        torch.testing.assert_close(out.float(), two.float(), atol=1e-2, rtol=8e-3)
-    kc3, vc3 = kc2.clone(), vc2.clone()
-    ref = A.qk_norm_rope_attention_reference(qkv, qn, kn, cos, sin, pos, lens, kc3, vc3, NH, 1e-6, D ** -0.5)
-    tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1.6e-2)  # kernel rounds once, reference per op
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol[0], rtol=tol[1])
-
-
-def test_rope_attention_bad_input():
-    B, NH, KVH, D, S = 1, 4, 2, 16, 32
-    qkv, qn, kn, cos, sin, pos, kc, vc = _rope_inputs(B, NH, KVH, D, S, torch.float32)
-    lens = torch.tensor([3], dtype=torch.int32)
-    with pytest.raises(ValueError, match="seq_lens: expected length 1"):
-        A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens.repeat(2), kc, vc, num_heads=NH, scale=0.25)
-    with pytest.raises(TypeError, match="seq_lens"):
-        A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens.float(), kc, vc, num_heads=NH, scale=0.25)
-    with pytest.raises(ValueError, match="num_heads"):
-        A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=3, scale=0.25)
-    with pytest.raises(ValueError, match="scale"):
-        A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=NH, scale=-1.0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("one_launch", ["1", "0"])
-def test_rope_attention_real_shapes_in_graph(cuda, monkeypatch, one_launch):
-    """Qwen3-30B-A3B heads, batch 3, a 4096 cache: the fused op in a CUDA graph replayed at moving
-    positions equals the two-step path (caches bit for bit apart from one-ulp norm differences)."""
-    monkeypatch.setenv("EMBER_ATTN_ONE_LAUNCH", one_launch)
-    B, NH, KVH, D, S = 3, 32, 4, 128, 4096
-    qkv, qn, kn, cos, sin, _, kc, vc = _rope_inputs(B, NH, KVH, D, S, torch.bfloat16, cuda)
-    pos = torch.tensor([5, 500, 4000], device=cuda)
-    lens = (pos + 1).to(torch.int32)
-    kc2, vc2 = kc.clone(), vc.clone()
-    A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=NH, scale=D ** -0.5)  # compile
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out_g = A.qk_norm_rope_attention(qkv, qn, kn, cos, sin, pos, lens, kc, vc, num_heads=NH, scale=D ** -0.5)
-    for step in range(40):
-        qkv.copy_(torch.randn_like(qkv))
-        g.replay()
-        two = _rope_then_attend(qkv, qn, kn, cos, sin, pos, lens, kc2, vc2, NH, D ** -0.5)
-        torch.testing.assert_close(out_g.float(), two.float(), atol=1e-2, rtol=8e-3)
-        torch.testing.assert_close(kc.float(), kc2.float(), atol=0, rtol=2 ** -7)
-        assert torch.equal(vc, vc2)
-        pos += 1 + step % 3
-        lens.copy_(pos + 1)

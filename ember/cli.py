@@ -1,7 +1,12 @@
-"""``ember <verb>``: doctor, bench, and the verbs feature modules contribute (generate, quantize).
+"""``ember <verb>``: doctor, bench, and the verbs feature modules contribute (generate, chat, quantize).
 
-A feature verb lives in its own module defining ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> int``; such modules keep heavy imports inside ``run`` so ``ember --help`` stays fast.
+A feature verb lives in its own module defining ``HELP`` (optionally ``DESCRIPTION`` for its
+``--help``), ``add_arguments(parser)`` and ``run(args) -> int``; such modules keep heavy imports
+inside ``run`` so ``ember --help`` stays fast.
+
+Errors: a verb raises ValueError / TypeError / OSError / MemoryError for what the user can fix;
+``main`` prints it as one line (``ember <verb>: <message>``) and exits 2. Ctrl-C exits 130. Any
+other exception is one line too, exit 1. ``--debug`` (on every verb) shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -9,9 +14,11 @@ import argparse
 import importlib
 import json
 import sys
+import warnings
 
 VERB_MODULES = {
     "generate": "ember.engine.cli",
+    "chat": "ember.engine.chat_cli",
     "quantize": "ember.quantize_cli",
     "tune": "ember.tuning.cli",
 }
@@ -76,19 +83,35 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _suites() -> list[str]:
+    from ember import bench
+    return bench.suites()
+
+
+def _add_debug(p: argparse.ArgumentParser) -> None:
+    if not any("--debug" in a.option_strings for a in p._actions):
+        p.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from ember import __version__
     p = argparse.ArgumentParser(prog="ember", description="Fast, small large models on the accelerator you have.")
-    sub = p.add_subparsers(dest="verb", required=True)
+    p.add_argument("--version", action="version", version=f"ember {__version__}", help="print ember's version")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     d = sub.add_parser("doctor", help="what this machine can run, and why not")
     d.add_argument("--json", action="store_true", help="print the structured report as JSON")
     d.set_defaults(func=_cmd_doctor)
-    b = sub.add_parser("bench", help="run a benchmark suite against the stock baseline")
-    b.add_argument("suite", nargs="?", help="suite name (omit with --quick to run all)")
+    _add_debug(d)
+    suites = _suites()
+    b = sub.add_parser("bench", help="run a benchmark suite against the stock baseline",
+                       description=f"Run a benchmark suite against the stock baseline. Suites: {', '.join(suites)}.")
+    b.add_argument("suite", nargs="?", help=f"suite name, one of: {', '.join(suites)} (omit with --quick to run all)")
     b.add_argument("--quick", action="store_true", help="small shapes, reference paths, runs anywhere in < 1 min")
     b.add_argument("--json", metavar="PATH", help="write results as JSON")
     b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of speedups (needs matplotlib)")
     b.add_argument("--device", help="device to run on (default: cuda if present, cpu with --quick)")
     b.set_defaults(func=_cmd_bench)
+    _add_debug(b)
     for verb, module in VERB_MODULES.items():
         try:
             mod = importlib.import_module(module)
@@ -96,15 +119,47 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name is None or not module.startswith(e.name):
                 raise
             continue  # feature not in this build
-        v = sub.add_parser(verb, help=mod.HELP)
+        v = sub.add_parser(verb, help=mod.HELP, description=getattr(mod, "DESCRIPTION", None))
         mod.add_arguments(v)
         v.set_defaults(func=mod.run)
+        _add_debug(v)
     return p
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    debug = getattr(args, "debug", False)
+    name = f"ember {args.verb}"
+
+    def show(message, category, filename, lineno, file=None, line=None):  # warnings as one line each
+        print(f"{name}: warning: {_one_line(message)}", file=sys.stderr)
+
+    try:
+        with warnings.catch_warnings():
+            if not debug:
+                warnings.showwarning = show
+            return args.func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        sys.stdout.flush()
+        print(f"\n{name}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError, MemoryError) as e:
+        if debug:
+            raise
+        print(f"{name}: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if debug:
+            raise
+        print(f"{name}: {type(e).__name__}: {_one_line(e)} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

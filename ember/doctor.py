@@ -99,6 +99,25 @@ def probe_mps() -> dict:
     return info
 
 
+# Packages a core install brings for text in / text out (ember generate / chat, ember.load of a hub id).
+TEXT_PACKAGES = {"tokenizers": "read tokenizer.json", "jinja2": "render chat templates",
+                 "huggingface_hub": "fetch hub ids"}
+NO_TRITON_WHY = ("CUDA GPU but Triton is not installed: ops run their reference (plain PyTorch) path on the GPU; "
+                 "`pip install triton` for ember's kernels (CUDA builds of torch normally bring it)")
+
+
+def probe_packages() -> dict:
+    """Version (or None when missing) of each package in TEXT_PACKAGES."""
+    from importlib import metadata
+    found = {}
+    for name in TEXT_PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def _family_path(module: str, cuda: dict, triton_info: dict) -> dict:
     try:
         importlib.import_module(module)
@@ -109,6 +128,8 @@ def _family_path(module: str, cuda: dict, triton_info: dict) -> dict:
     if _dispatch.rocm():
         return {"path": "reference", "why": ROCM_WHY}
     if not triton_info["importable"]:
+        if "No module named 'triton'" in str(triton_info["error"]):
+            return {"path": "reference", "why": NO_TRITON_WHY}
         return {"path": "reference", "why": f"Triton cannot be imported ({triton_info['error']})"}
     if not triton_info["runs_kernel"]:
         return {"path": "reference", "why": f"Triton cannot run kernels here ({triton_info['error']})"}
@@ -153,8 +174,16 @@ def doctor() -> dict:
         else:
             notes.append(f"{d['name']}: decode kernels overlap their launches (programmatic dependent launch; "
                          "EMBER_PDL=0 turns it off)")
-    if cuda["available"] and tri["error"]:
+    if cuda["available"] and not _dispatch.rocm() and not tri["importable"] and \
+            "No module named 'triton'" in str(tri["error"]):
+        notes.append(NO_TRITON_WHY)
+    elif cuda["available"] and tri["error"]:
         notes.append(f"Triton problem: {tri['error']}")
+    packages = probe_packages()
+    for name, version in packages.items():
+        if version is None:
+            notes.append(f"the {name} package is missing: ember cannot {TEXT_PACKAGES[name]} (ember generate / "
+                         f"chat need it); pip install {name}")
     if mps["available"]:
         notes.append("Apple GPU (MPS) reachable: ops run there on the reference path")
     families = {name: _family_path(mod, cuda, tri) for name, mod in FAMILIES.items()}
@@ -170,6 +199,7 @@ def doctor() -> dict:
                          "(`ember tune <family>` measures and caches tiles for it)")
     return {
         "ok": True,  # the reference path needs only torch, which imported to get here
+        "packages": packages,
         "switches": _switches.describe(),
         "tuning": tuning_info,
         "python": sys.version.split()[0],
@@ -199,6 +229,8 @@ def render(report: dict) -> str:
     else:
         lines.append(f"triton: not importable ({tri['error']})")
     lines.append(f"mps: built={mps['built']} available={mps['available']}" + (f" macOS {mps['macos']}" if mps["macos"] else ""))
+    if report.get("packages"):
+        lines.append("text: " + ", ".join(f"{n} {v or 'MISSING'}" for n, v in report["packages"].items()))
     lines.append("op families:")
     for name, fam in report["families"].items():
         lines.append(f"  {name:<9} {fam['path']:<11} {fam['why']}")

@@ -24,8 +24,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
+import os
 import random
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -34,6 +38,58 @@ import ember.ops
 from ember.ops.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def _free_host_memory() -> int | None:
+    """Bytes of host memory a new allocation can take (MemAvailable, capped by a cgroup limit), or
+    None where neither /proc/meminfo nor sysconf says."""
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:  # a container's limit (cgroup v2) can be far below the host's free memory
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            used = int(open("/sys/fs/cgroup/memory.current").read())
+            free = min(free, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def _is_sequence(p) -> bool:
+    return isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() >= 1)
+
+
+def _token_ids(i: int, p) -> list[int]:
+    """One prompt's token ids as ints; anything that is not an integer is refused, never truncated."""
+    if isinstance(p, torch.Tensor):
+        if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool or p.dim() != 1:
+            raise TypeError(f"prompts[{i}]: expected a 1-d tensor of integer token ids, got {p.dtype} "
+                            f"{tuple(p.shape)}")
+        return p.tolist()
+    if not isinstance(p, (list, tuple)):
+        raise TypeError(f"prompts[{i}]: expected a string or a list of token ids, got {type(p).__name__}")
+    ids = []
+    for j, t in enumerate(p):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))  # ints, numpy ints, 0-d integer tensors; not floats
+        except TypeError:
+            raise TypeError(f"prompts[{i}]: expected integer token ids, got {type(t).__name__} {t!r} "
+                            f"at position {j}") from None
+    return ids
 
 
 @dataclasses.dataclass
@@ -71,6 +127,8 @@ class Model:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.device, self.dtype = net.embed.device, net.embed.dtype
+        if self.device.type != "cuda":  # (ember.load checks GPU memory before loading)
+            self._check_host_memory(net, max_batch_size, max_seq_len)
         # per layer: (k, v) for attention, the conv / recurrent state for hybrid mixers; batch first
         self.caches = net.allocate_caches(max_batch_size, max_seq_len, self.dtype, self.device)
         # State that a decode step advances in place (not append-only like a KV cache): the warm-up
@@ -98,6 +156,22 @@ class Model:
         self._prefill_seen: set[tuple[int, int]] = set()  # (row, bucket) prefilled once, eagerly
         self._prefill_pool = None
         self.stats = Stats()
+
+    def _check_host_memory(self, net, max_batch_size: int, max_seq_len: int) -> None:
+        need = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                   for layer in net.cache_specs(max_batch_size, max_seq_len, self.dtype) for shape, dt in layer)
+        free = _free_host_memory()
+        if free is not None and need > free:
+            raise MemoryError(f"not enough memory on {self.device} for the KV cache and recurrent state: need "
+                              f"~{need / 1e9:.2f} GB ({max_batch_size} x {max_seq_len} tokens), {free / 1e9:.2f} GB "
+                              "free (lower max_seq_len / max_batch_size)")
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        """The longest sequence the checkpoint was trained for (config.json), when it says."""
+        cfg = self.config
+        v = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     # ------------------------------------------------------------------ cache-free forward
     @torch.no_grad()
@@ -227,9 +301,11 @@ class Model:
     def _prepare(self, prompts, sampling, stop):
         """Normalise inputs -> (is_text, id lists, per-row SamplingParams, per-row stop (ids, strings))."""
         single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                              and isinstance(prompts[0], int))
+                                              and not isinstance(prompts[0], str) and not _is_sequence(prompts[0]))
         if isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+            if prompts.dim() not in (1, 2):
+                raise ValueError(f"prompts: expected token ids [seq] or [batch, seq], got shape {tuple(prompts.shape)}")
+            prompts = list(prompts) if prompts.dim() == 2 else [prompts]
         elif single:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -243,7 +319,7 @@ class Model:
                                  "pass token ids or add the tokenizer")
             ids = [self.tokenizer.encode(p) for p in prompts]
         else:
-            ids = [list(map(int, p)) for p in prompts]
+            ids = [_token_ids(i, p) for i, p in enumerate(prompts)]
         B = len(ids)
         if B > self.max_batch_size:
             raise ValueError(f"prompts: batch of {B} is larger than max_batch_size={self.max_batch_size} "
@@ -258,6 +334,9 @@ class Model:
             sampling = [sampling or GREEDY] * B
         if len(sampling) != B or not all(isinstance(s, SamplingParams) for s in sampling):
             raise ValueError(f"sampling: expected a SamplingParams or a list of {B} of them")
+        for s in sampling:
+            if s.seed is not None and not -2 ** 63 <= s.seed < 2 ** 63:
+                raise ValueError(f"sampling: seed {s.seed} is outside int64 [-2^63, 2^63)")
         per_row = isinstance(stop, (list, tuple)) and stop and all(s is None or isinstance(s, (list, tuple, set))
                                                                   for s in stop)
         stops = list(stop) if per_row else [stop] * B
@@ -292,6 +371,9 @@ class Model:
         if longest + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompts: prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"max_seq_len={self.max_seq_len} (pass a larger max_seq_len to ember.load)")
+        limit = self.max_position_embeddings
+        # new tokens after which a row sits past the trained length: warned about once, when it happens
+        past = max(limit - longest + 1, 1) if limit is not None and longest + max_new_tokens > limit else None
         st = self.stats = Stats(prompt_tokens=sum(len(p) for p in ids))
         self._set_sampling(sampling)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
@@ -310,6 +392,8 @@ class Model:
             first_host = first.tolist()
             st.prefill_s = time.perf_counter() - t0 - st.warmup_s  # prefill graph captures are warm-up
             st.new_tokens = 1
+            if past == 1:
+                self._warn_past_positions(longest, limit)
             yield first_host
             if max_new_tokens == 1:
                 return
@@ -335,13 +419,22 @@ class Model:
                         events[pending].synchronize()
                     st.new_tokens += 1
                     st.decode_s = time.perf_counter() - t1
+                    if st.new_tokens == past:
+                        self._warn_past_positions(longest, limit)
                     yield host[pending].tolist()
                 pending = k % 2
             if events[pending] is not None:
                 events[pending].synchronize()
             st.new_tokens += 1
             st.decode_s = time.perf_counter() - t1
+            if st.new_tokens == past:
+                self._warn_past_positions(longest, limit)
             yield host[pending].tolist()
+
+    def _warn_past_positions(self, longest: int, limit: int) -> None:
+        warnings.warn(f"{self.name}: the sequence ({longest} prompt tokens + new ones) now runs past the model's "
+                      f"max_position_embeddings={limit}; what follows is beyond the length it was trained for",
+                      stacklevel=3)
 
     # ------------------------------------------------------------------ public generation API
     def generate(self, prompts, max_new_tokens: int = 128, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -393,7 +486,7 @@ class Model:
             >>> for piece in model.stream("Once upon a time", max_new_tokens=32):
             ...     print(piece, end="")
         """
-        if not isinstance(prompt, str) and isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+        if isinstance(prompt, (list, tuple)) and prompt and (isinstance(prompt[0], str) or _is_sequence(prompt[0])):
             raise ValueError("prompt: stream takes one prompt (a string or a list of token ids)")
         is_text, ids, sampling, stops = self._prepare(prompt, sampling, stop)
         tok_stop, str_stop = stops[0]

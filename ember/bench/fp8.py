@@ -219,10 +219,11 @@ def sweep(path: str | None = None, budget_s: float = 110.0) -> dict:
             if time.time() - t0 > budget_s:
                 break
             if cfg[0] == "gemv":
-                conf = dict(GEMV=True, BLOCK_N=cfg[1], CHUNKS=cfg[2], KW=cfg[3], num_warps=cfg[4])
+                conf = dict(kernel="gemv", BLOCK_N=cfg[1], CHUNKS=cfg[2], KW=cfg[3], num_warps=cfg[4])
             else:
                 bm, bn, bk, sk, w, st = cfg
-                conf = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st, GROUP_M=8)
+                conf = dict(kernel="tiled", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w,
+                            num_stages=st, GROUP_M=8)
             calls = [lambda q=q, x=x, conf=conf: k.scaled_mm(x[0], q[0].t(), x[1], None if x[1] is None else "row",
                                                              q[1].t(), gran, None, torch.bfloat16, config=conf)
                      for q, x in zip(qs, xs)]

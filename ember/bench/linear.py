@@ -19,7 +19,7 @@ The ember GEMV reached 83% of the floor at 8192^2 in fp8 (19.5 us); bf16 runs th
 so ~80% is the expectation, e.g. qkv ~6.3 us and o_proj ~5 us.
 
 Each row times both in the same run (graph replays, weights rotated past L2); ``sweep`` times GEMV
-tile configs on the GPU for tuning the bf16 rule.
+tuning candidates on the GPU.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def run(ctx: BenchContext) -> list[Row]:
         extra = {"floor_us": floor, "fraction_of_floor": floor / t_ember,
                  "baseline_fraction_of_floor": floor / t_torch, "achieved_GBps": 2 * N * K / t_ember / 1e3}
         if ctx.on_gpu:
-            extra["config"] = str(_dispatch.kernels("gemv").gemv_config(N, K, 2))
+            extra["config"] = str(_dispatch.kernels("gemv").one_row_config(N, K, torch.bfloat16, ctx.device))
         else:
             extra["mode"] = "CPU quick run: both sides are F.linear (the GEMV runs on CUDA only)"
         rows.append(Row(f"linear_bf16_M1_N{N}_K{K}", "us", t_ember, t_torch, "bf16 F.linear (cuBLAS, M=1)",
@@ -73,15 +73,10 @@ def run(ctx: BenchContext) -> list[Row]:
 # ----------------------------------------------------------------------------- tuning sweep
 def sweep(path: str | None = None, budget_s: float = 110.0, dtype: torch.dtype = torch.bfloat16,
           shapes: list[tuple[int, int]] | None = None) -> dict:
-    """Time GEMV tile configs (BLOCK_N, CHUNKS, KW, num_warps) on the suite's shapes (run on the GPU).
-
-    KW stays at 512 bytes of K per warp-row; prints and returns the best configs per shape with
-    F.linear for comparison.
-    """
+    """Time the GEMV's tuning candidates (``gemv.candidates``) on the suite's shapes (run on the GPU);
+    prints and returns the best entries per shape with F.linear for comparison."""
     k = _dispatch.kernels("gemv")
     dev = torch.device("cuda")
-    kw = 512 // torch.empty((), dtype=dtype).element_size()
-    cfgs = [(bn, c, kw, w) for w in (4, 8) for bn in (4, 8, 16) for c in (1, 2, 4) if bn >= w]
     t0 = time.time()
     results = {}
     for N, K in shapes or SHAPES + [(1536, 2048), (2048, 768), (4096, 4096), (128, 2048)]:
@@ -90,21 +85,21 @@ def sweep(path: str | None = None, budget_s: float = 110.0, dtype: torch.dtype =
         xs = [torch.randn(1, K, device=dev).to(dtype) for _ in range(sets)]
         table = [(_timing.graph_time_us([lambda w=w, x=x: F.linear(x, w) for w, x in zip(ws, xs)], replays=10),
                   "F.linear")]
-        for bn, c, kw_, w in cfgs:
+        elsize = ws[0].element_size()
+        for entry in k.candidates(N, K, elsize):
             if time.time() - t0 > budget_s:
                 break
-            conf = dict(GEMV=True, BLOCK_N=bn, CHUNKS=c, KW=kw_, num_warps=w)
+            conf = k.entry_config(entry, elsize)
             calls = [lambda w_=w_, x=x, conf=conf: k.linear(x, w_, None, config=conf) for w_, x in zip(ws, xs)]
             try:
-                table.append((_timing.graph_time_us(calls, replays=10), (bn, c, kw_, w)))
+                table.append((_timing.graph_time_us(calls, replays=10), entry))
             except Exception as e:  # a config that does not compile is skipped
-                table.append((float("inf"), (bn, c, kw_, w, type(e).__name__)))
+                table.append((float("inf"), dict(entry, error=type(e).__name__)))
         table.sort(key=lambda r: r[0])
-        key = f"{str(dtype).replace('torch.', '')}_M1_N{N}_K{K}"
+        key = k.key(dtype, N, K)
         results[key] = table[:8]
-        elsize = ws[0].element_size()
         print(key, "floor_us", round(N * K * elsize / COPY_BW_GBPS / 1e3, 2),
-              "default", k.gemv_config(N, K, elsize), "best", table[:5], flush=True)
+              "default", k.tile(N, K, dtype, dev), "best", table[:5], flush=True)
         del ws, xs
     if path:
         with open(path, "w") as f:

@@ -1,8 +1,6 @@
 """Small helpers shared by kernel families: @triton.jit math, the arrival counters of the
-"last program to arrive finishes the work" kernels, programmatic dependent launch, and the tile
-overrides read from the environment for decode-step sweeps."""
+"last program to arrive finishes the work" kernels, and programmatic dependent launch."""
 import functools
-import os
 
 import torch
 import triton
@@ -11,22 +9,6 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ember import _dispatch
-
-def parse_ints(var: str, text: str, names: str, minimum: int = 1) -> tuple[int, ...]:
-    """``text``, one integer >= ``minimum`` per comma-separated field of ``names``, else a ValueError
-    naming ``var`` (the environment variable or entry it came from) and the expected fields."""
-    fields = text.split(",")
-    if len(fields) != len(names.split(",")) or not all(f.strip().isdigit() and int(f) >= minimum for f in fields):
-        raise ValueError(f"{var}: expected '{names}' (integers >= {minimum}), got {text!r}")
-    return tuple(int(f) for f in fields)
-
-
-def env_ints(var: str, names: str) -> tuple[int, ...] | None:
-    """The tile override in environment variable ``var`` (``parse_ints``), read per call so that a
-    decode-step sweep (bench/step_variants.py) can set it per captured variant; None when unset."""
-    text = os.environ.get(var, "")
-    return parse_ints(var, text, names) if text else None
-
 
 # Arrival counters, per (purpose, device, stream): zero between launches (the program that arrives
 # last resets its slot), so no memset launch per call. If the first use is during CUDA-graph
@@ -163,6 +145,15 @@ def softplus_f32(x, LIBDEVICE: tl.constexpr):
     return tl.where(x > 20.0, x, sp)
 
 
+@triton.jit
+def dot_acc(a, b, acc, MAX_IMPRECISE: tl.constexpr):
+    """acc + a @ b on the tensor cores. MAX_IMPRECISE > 0: fp8 MMAs sum at most that many K
+    products in Hopper's reduced-precision accumulator before promoting to fp32 (0: Triton's default)."""
+    if MAX_IMPRECISE > 0:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=MAX_IMPRECISE)
+    return tl.dot(a, b, acc)
+
+
 # ----------------------------------------------------------------------------- dependent launch
 # Programmatic dependent launch (Hopper+): a kernel launched with ``launch_pdl=True`` may start while
 # the kernel before it in the stream still runs, once every program of that one has passed
@@ -204,37 +195,9 @@ def pdl_options(device: torch.device) -> dict:
     return dict(PDL=pdl, launch_pdl=pdl)
 
 
-# Inputs that no running kernel writes, loaded before ``pdl_start`` so that their latency overlaps the
-# wait instead of following it (the sm_90 SASS had each as a dependent load after the wait): "attn",
-# the decode attention's row lengths (the engine updates them once per step, between replays);
-# "router", the router's norm weight (it had come after the row's reduction). H200 Qwen3-30B-A3B decode
-# step at a 400 cache (bench/results/h200/step_variants_early_loads_*.json): fp8 1.914-1.918 ms with
-# neither, 1.837-1.844 attn, 1.906-1.911 router, 1.806-1.813 both; bf16 2.309-2.316 -> 2.233-2.243.
-# Tried and removed (same run, on top of both): the fp8 GEMV's row scales and bias (1.810-1.820),
-# the RoPE kernel's position, cos / sin rows and norm weights (1.813-1.822), the v2 fp8 gate_up's row
-# scales right after its expert id (1.833-1.842) and the v2 down GEMV's before its wait (2.040).
-EARLY_LOAD_KINDS = ("attn", "router")
-EARLY_LOADS_DEFAULT = "attn,router"
-
-
-def early_loads(kind: str) -> bool:
-    """Whether kernels of ``kind`` (one of EARLY_LOAD_KINDS) load their unchanging inputs before the
-    dependent-launch wait: ``EMBER_EARLY_LOADS``, a comma-separated list of kinds, "all" or "none"
-    (default EARLY_LOADS_DEFAULT); read per call (so per captured decode-step variant). The values
-    are the same either way, so the same bits."""
-    env = os.environ.get("EMBER_EARLY_LOADS", EARLY_LOADS_DEFAULT).strip()
-    kinds = set(EARLY_LOAD_KINDS) if env == "all" else set() if env == "none" else \
-        {k.strip() for k in env.split(",") if k.strip()}
-    unknown = kinds - set(EARLY_LOAD_KINDS)
-    if unknown:
-        raise ValueError(f"EMBER_EARLY_LOADS: unknown kind(s) {sorted(unknown)}; expected 'all', 'none' or "
-                         f"a comma-separated list of {', '.join(EARLY_LOAD_KINDS)}")
-    return kind in kinds
-
-
 # ----------------------------------------------------------------------------- folded add_rmsnorm
-# The decoder's ``add_rmsnorm`` computed inside the kernel that consumes it (the MoE router, the qkv
-# GEMV): every program derives the row's norm itself, with the same code and layout, so all agree.
+# The decoder's ``add_rmsnorm`` computed inside the kernel that consumes it (the MoE router): every
+# program derives the row's norm itself, with the same code and layout, so all agree.
 @triton.jit
 def residual_sum(x_ptr, res_ptr, ks, K, stride_xk):
     """x + residual at columns ks (x stepped by stride_xk, the residual contiguous), rounded to x's
@@ -245,16 +208,10 @@ def residual_sum(x_ptr, res_ptr, ks, K, stride_xk):
 
 
 @triton.jit
-def residual_inv_rms(x_ptr, res_ptr, new_res_ptr, K, stride_xk, eps, store, BLOCK: tl.constexpr):
-    """1 / rms of x + residual over all K columns; the program with ``store`` also writes x + residual
-    (the new residual stream) to ``new_res_ptr``."""
-    h0 = residual_sum(x_ptr, res_ptr, tl.arange(0, BLOCK), K, stride_xk)
-    return residual_inv_rms_after(h0, x_ptr, res_ptr, new_res_ptr, K, stride_xk, eps, store, BLOCK)
-
-
-@triton.jit
 def residual_inv_rms_after(h0, x_ptr, res_ptr, new_res_ptr, K, stride_xk, eps, store, BLOCK: tl.constexpr):
-    """``residual_inv_rms`` given its first block's x + residual ``h0`` (columns 0 .. BLOCK - 1)."""
+    """1 / rms of x + residual over all K columns, given its first block ``h0`` (columns 0 .. BLOCK - 1,
+    ``residual_sum``); with ``store`` also writes x + residual (the new residual stream) to
+    ``new_res_ptr``."""
     ks = tl.arange(0, BLOCK)
     if store:
         tl.store(new_res_ptr + ks, h0.to(new_res_ptr.dtype.element_ty), mask=ks < K)

@@ -4,8 +4,8 @@
 * M == 1 with a K-contiguous b (``w.t()``, what Fp8Linear passes): the GEMV kernel shared with
   ``ember.ops.linear`` (``ember.kernels.gemv``): one launch, K-fastest tiles, one warp per weight
   row, no split-K. Its config rule and the H200 measurements behind it are in ``gemv.gemv_config``.
-* 2 <= M <= 16 with a K-contiguous b (decode batches through Fp8Linear): ``_skinny_mm_kernel``,
-  swapped operands (the 64-row weight tile is the MMA's first operand, the few activation rows its
+* 2 <= M <= 16 with a K-contiguous b (decode batches through Fp8Linear): ``ember.kernels.linear``'s
+  ``skinny_mm_kernel``, swapped operands (the 64-row weight tile is the MMA's first operand, the few activation rows its
   narrow second one), split K up to 4 ways (``_skinny_config`` has the H200 figures). fp8
   activations on sm_89+ go to the MMA as fp8 (no upcast in registers).
 * M <= 16 otherwise: memory-bound; each weight byte is read once. Programs tile N finely and split K
@@ -18,8 +18,18 @@
   sm_90+ takes ``_scaled_mm_tma_kernel`` (tiles fed by TMA descriptors); the rest takes the
   pointer-fed ``_scaled_mm_kernel``.
 
-``few_rows_linear`` runs the few-row kernel on unscaled bf16 / fp16 weights (``ember.ops.linear``'s
-2..16-row path for the shapes in FEW_ROWS_MEASURED).
+Tiles (``ember.tuning`` family ``"fp8"``): key ``"<a>:<scale_a>-<scale_b>:<M>x<N>x<K>"`` (``key``),
+with ``<a>`` the activation dtype (``fp8``, or ``bf16`` / ``fp16`` / ``fp32`` for weight-only) and the
+scale kinds ``none`` / ``tensor`` / ``row`` / ``block``, e.g. ``"fp8:row-row:4096x8192x8192"``; entries
+are for the K-contiguous ``b = w.t()`` that Fp8Linear passes. An entry names its kernel and tile
+(``ENTRY_FIELDS``): ``{"kernel": "gemv", "BLOCK_N", "CHUNKS", "KW", "num_warps"[, "STEP_REDUCE"]}``,
+``{"kernel": "skinny", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"[, "FP8_DOT"]}``,
+``{"kernel": "tiled", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages",
+"GROUP_M"}`` or ``{"kernel": "tma", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
+"GROUP_M"}``. No entry: the rule (``rule``; at M == 1 it asks the ``"gemv"`` family for the
+weight's tile, key ``"fp8:<N>x<K>"``). The tuner lists entries with ``candidates`` and times one with
+``scaled_mm(..., config=entry)`` (or ``tuning.override``). TMA needs sm_90 and fp8 MMAs sm_89: an
+entry asking for them elsewhere is refused or runs the bf16 MMA.
 
 Scales are read through (row, column) strides, so one kernel serves every granularity: stride 0
 broadcasts a tensor scale, per-row / per-column scales stride along one axis, and 128-blocks stride
@@ -27,22 +37,20 @@ along K (applied to each 128-wide K step) and along N in groups of 128.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ember import _switches, tuning
 from ember.kernels import gemv
-from ember.kernels._common import parse_ints, pdl_options, pdl_start, round_to
+from ember.kernels._common import dot_acc, pdl_options, pdl_start, round_to
+from ember.kernels.linear import k_split, reduce_splits, skinny_mm_kernel
 
 # tl.constexpr: @triton.jit code may read module globals only in this form (the interpreter is laxer)
 FP8_MAX = tl.constexpr(448.0)
 AMAX_EPS = tl.constexpr(1e-12)
 SCALE_BLOCK = 128
-# fp8 MMA promotion interval (``_fp8_dot``); 0 leaves Triton's default
-FP8_MAX_IMPRECISE = 0
 
 
 # ============================================================================= quantisation
@@ -212,7 +220,7 @@ def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
             else:
                 # accumulate inside the dot: a separate `acc += part` kept Triton from pipelining
                 # the loads (one shared-memory stage instead of num_stages, seen compiling for sm_90)
-                acc = _fp8_dot(a, b, acc, MAX_IMPRECISE)
+                acc = dot_acc(a, b, acc, MAX_IMPRECISE)
         if K_BLOCKED:
             # BLOCK_K == 128 and k0 is a multiple of 128: one scale block along K per step
             kb = k0 // BLOCK_K
@@ -259,7 +267,7 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, 
         if DOT_F32:  # interpreter (CPU CI): exact fp32 products
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = _fp8_dot(a, b, acc, MAX_IMPRECISE)
+            acc = dot_acc(a, b, acc, MAX_IMPRECISE)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _apply_scales(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, stride_sam, stride_sbn, 1, True)
@@ -276,15 +284,6 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     first_m = (pid // group_size) * GROUP_M
     rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
     return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
-
-
-@triton.jit
-def _fp8_dot(a, b, acc, MAX_IMPRECISE: tl.constexpr):
-    """acc + a @ b on the tensor cores. MAX_IMPRECISE > 0: fp8 MMAs sum at most that many K
-    products in Hopper's reduced-precision accumulator before promoting to fp32 (0: Triton's default)."""
-    if MAX_IMPRECISE > 0:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=MAX_IMPRECISE)
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -306,105 +305,6 @@ def _store_tile(acc, offs_m, offs_n, M, N, bias_ptr, out_ptr, stride_om, stride_
              round_to(acc, out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _skinny_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ws_ptr,
-                      M, N, K, k_per_split,
-                      stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
-                      stride_sam, stride_sak, stride_sbk, stride_sbn,
-                      A_SCALED: tl.constexpr, K_BLOCKED: tl.constexpr, SB_N_GROUP: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
-                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      FP8_DOT: tl.constexpr = False, MAX_IMPRECISE: tl.constexpr = 0, B_SCALED: tl.constexpr = True,
-                      PDL: tl.constexpr = False):
-    """Few rows (M <= 16), swapped operands: out^T [BLOCK_N, BLOCK_M] = b^T tile @ a^T tile.
-    B_SCALED=False: an unscaled b of a's dtype (``few_rows_linear``: bf16 / fp16 weights), no scale
-    loaded.
-
-    The weight tile [BLOCK_N, BLOCK_K] is the MMA's first operand, so BLOCK_N = 64 fills Hopper's
-    64-row warpgroup MMA and the 16 activation rows are its narrow second operand: a weight tile
-    passes through the tensor cores once, upcast to bf16 in registers (e4m3 -> bf16 is exact, so
-    fp8 x fp8 products and their fp32 sums are exact too; fp8 MMAs accumulate with less precision,
-    measured in tests/ops/test_fp8.py). With fp8 activations and FP8_DOT both operands go to the
-    MMA as they are: no upcast in registers, which is what held the bf16 path to ~2.3 TB/s (H200,
-    M=16, 8192^2: 18.8 us, against 28-30 us upcast; bench/results/h200/fp8_probe*.json).
-    The loop is a plain pipelined stream of weight tiles (``num_stages`` in flight); scales are
-    applied after the K loop, or per 128-step for blocks.
-    """
-    pdl_start(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    offs_n64 = offs_n.to(tl.int64)
-    offs_m64 = offs_m.to(tl.int64)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + offs_k
-        mask_k = ks < k_end
-        w = tl.load(b_ptr + offs_n64[:, None] * stride_bn + ks[None, :] * stride_bk,
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK] fp8
-        x = tl.load(a_ptr + offs_m64[None, :] * stride_am + ks[:, None] * stride_ak,
-                    mask=mask_k[:, None] & mask_m[None, :], other=0.0)  # [BK, BM]
-        if DOT_F32:  # interpreter (CPU CI): bf16 dot operands are multiplied wrongly there; fp32 is exact
-            w, x = w.to(tl.float32), x.to(tl.float32)
-        elif FP8_DOT:
-            pass
-        elif A_SCALED:  # fp8 activations: both operands to bf16, exactly
-            w, x = w.to(tl.bfloat16), x.to(tl.bfloat16)
-        else:
-            w = w.to(x.dtype)
-        if K_BLOCKED:  # BLOCK_K == 128, k0 a multiple of 128: one scale block along K per step
-            part = tl.dot(w, x, input_precision="ieee") if IEEE else tl.dot(w, x)
-            kb = k0 // BLOCK_K
-            sb = tl.load(sb_ptr + kb * stride_sbk + (offs_n // SB_N_GROUP) * stride_sbn, mask=mask_n, other=0.0)
-            part = part * sb[:, None]
-            if A_SCALED:
-                sa = tl.load(sa_ptr + offs_m64 * stride_sam + kb * stride_sak, mask=mask_m, other=0.0)
-                part = part * sa[None, :]
-            acc += part
-        elif IEEE:
-            acc = tl.dot(w, x, acc, input_precision="ieee")
-        else:
-            # accumulate inside the dot: a separate `acc += part` leaves the loads unpipelined (sm_90
-            # TTGIR: plain ld.global + st.shared each step, no cp.async; 30 us at 8192^2, M=16, H200)
-            acc = _fp8_dot(w, x, acc, MAX_IMPRECISE)
-    if not K_BLOCKED and B_SCALED:
-        acc = acc * tl.load(sb_ptr + (offs_n // SB_N_GROUP) * stride_sbn, mask=mask_n, other=0.0)[:, None]
-    if not K_BLOCKED and A_SCALED:
-        acc = acc * tl.load(sa_ptr + offs_m64 * stride_sam, mask=mask_m, other=0.0)[None, :]
-    mask = mask_n[:, None] & mask_m[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs_m64[None, :] * stride_om + offs_n64[:, None] * stride_on,
-                 round_to(acc, out_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws = ws_ptr + pid_k.to(tl.int64) * M * N
-        tl.store(ws + offs_m64[None, :] * N + offs_n64[:, None], acc, mask=mask)
-
-
-@triton.jit
-def _split_k_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_on,
-                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    pdl_start(PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT_K):  # fixed order: deterministic sums
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    m = offs // N
-    tl.store(out_ptr + m * stride_om + n * stride_on, round_to(acc, out_ptr.dtype.element_ty), mask=mask)
-
-
 # ----------------------------------------------------------------------------- configuration
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -414,11 +314,6 @@ def _sm_count(device: torch.device) -> int:
 
 def _fp8_dot_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _gemv_config(N: int, K: int, k_blocked: bool) -> dict:
-    """M == 1, K-contiguous fp8 b: the shared GEMV's rule (measured table in ember.kernels.gemv)."""
-    return gemv.gemv_config(N, K, 1, k_blocked)
 
 
 def _skinny_config(N: int, K: int, k_blocked: bool, device: torch.device, fp8_dot: bool = False) -> dict:
@@ -442,16 +337,17 @@ def _skinny_config(N: int, K: int, k_blocked: bool, device: torch.device, fp8_do
         split = 1
         while tiles_n * split < 0.9 * _sm_count(device) and split < 4 and K // (split * 2) >= 2 * bk:
             split *= 2
-        return dict(SKINNY=True, FP8_DOT=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4)
+        return dict(kernel="skinny", FP8_DOT=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4,
+                    num_stages=4)
     bk = 128
     tiles_n = -(-N // bn)
     split = 1
     while tiles_n * split < 2 * _sm_count(device) and split < 4 and K // (split * 2) >= 2 * bk:
         split *= 2
-    return dict(SKINNY=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3)
+    return dict(kernel="skinny", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
-def _tma_eligible(a: torch.Tensor, b: torch.Tensor, kind_a: str | None, kind_b: str) -> bool:
+def tma_eligible(a: torch.Tensor, b: torch.Tensor, kind_a: str | None, kind_b: str) -> bool:
     """The TMA tile kernel takes fp8 x fp8 with tensor / row scales, both operands K-contiguous with
     16-byte aligned rows (a tensor descriptor's rules), on Hopper or later (or the interpreter)."""
     if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (9, 0):
@@ -461,29 +357,64 @@ def _tma_eligible(a: torch.Tensor, b: torch.Tensor, kind_a: str | None, kind_b: 
             and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
 
 
-def _config(M: int, N: int, K: int, k_blocked: bool, device: torch.device,
+FAMILY = "fp8"
+ENTRY_FIELDS = {
+    "gemv": ("BLOCK_N", "CHUNKS", "KW", "num_warps"),
+    "skinny": ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"),
+    "tiled": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "GROUP_M"),
+    "tma": ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M"),
+}
+_DTYPE_NAMES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def key(a_dtype: torch.dtype, kind_a: str | None, kind_b: str, M: int, N: int, K: int) -> str:
+    """The tuning key of a product (module docstring), e.g. ``"bf16:none-row:16x8192x8192"``."""
+    return f"{_DTYPE_NAMES[a_dtype]}:{kind_a or 'none'}-{kind_b}:{M}x{N}x{K}"
+
+
+def entry_config(entry: dict) -> dict:
+    """A copy of tuning entry ``entry`` checked for its kernel's ``ENTRY_FIELDS`` (integers >= 1)."""
+    fields = ENTRY_FIELDS.get(entry.get("kernel"))
+    if fields is None or any(not isinstance(entry.get(f), int) or entry[f] < 1 for f in fields):
+        raise ValueError(f"fp8 tuning entry {entry!r}: expected a 'kernel' of {', '.join(ENTRY_FIELDS)} and "
+                         "its fields as integers >= 1 (module docstring)")
+    return dict(entry)
+
+
+def candidates(M: int, N: int, K: int, k_blocked: bool, fp8_a: bool) -> list[dict]:
+    """Tuning entries worth timing for one product (``ember tune``), the kernels its regime can take
+    (the sweeps of ember/bench/fp8.py): the GEMV at M == 1, the few-row kernel up to 16 rows, the
+    tiled kernels beyond; 128-block scales fix BLOCK_K (and the GEMV's KW) at 128."""
+    out = []
+    if M == 1:
+        kw = SCALE_BLOCK if k_blocked else 512
+        out += [dict(kernel="gemv", BLOCK_N=bn, CHUNKS=c, KW=kw, num_warps=w, STEP_REDUCE=sr)
+                for w in (1, 2, 4, 8) for bn in (1, 2, 4, 8, 16) if bn >= w for c in (1, 2, 4, 8)
+                for sr in (True, False)]
+    if M <= 16:
+        out += [dict(kernel="skinny", BLOCK_N=64, BLOCK_K=bk, SPLIT_K=sk, num_warps=4, num_stages=st,
+                     FP8_DOT=fp8_a and not k_blocked)
+                for bk in ((128,) if k_blocked else (128, 256, 512)) for sk in (1, 2, 4) for st in (2, 3, 4)]
+    else:
+        tiles = [(64, 128), (128, 128), (128, 256), (256, 128)]
+        out += [dict(kernel="tiled", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=1, num_warps=w, num_stages=st,
+                     GROUP_M=8) for bm, bn in tiles for w in (4, 8) for st in (3, 4)]
+        if fp8_a and not k_blocked:
+            out += [dict(kernel="tma", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=8)
+                    for bm, bn in tiles for bk in (64, 128) for w in (4, 8) for st in (3, 4)]
+    return out
+
+
+def rule(M: int, N: int, K: int, k_blocked: bool, device: torch.device,
             b_k_contiguous: bool = False, fp8_dot: bool = False, tma: bool = False) -> dict:
-    """Tile sizes by regime (measured on the H200; see ember/bench/fp8.py).
+    """The rule, what a product without a tuning entry launches: the kernel and its tile by regime
+    (module docstring; tiles measured on the H200, see ember/bench/fp8.py).
 
     ``fp8_dot``: fp8 activations whose MMA can take fp8 operands; ``tma``: the operands suit
-    ``_scaled_mm_tma_kernel`` (``_tma_eligible``).
+    ``_scaled_mm_tma_kernel`` (``tma_eligible``).
     """
-    override = os.environ.get("EMBER_FP8_CONFIG")
-    if override and override.startswith("gemv,"):  # "gemv,BN,CHUNKS,KW,warps"
-        bn, c, kw, w = (int(v) for v in override.split(",")[1:])
-        return dict(GEMV=True, BLOCK_N=bn, CHUNKS=c, KW=kw, num_warps=w)
-    if override and override.startswith("skinny,"):  # "skinny,BN,BK,SPLIT,warps,stages[,fp8_dot]"
-        bn, bk, sk, w, st, *f8 = (int(v) for v in override.split(",")[1:])
-        return dict(SKINNY=True, FP8_DOT=bool(f8 and f8[0]), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w,
-                    num_stages=st)
-    if override and override.startswith("tma,"):  # "tma,BM,BN,BK,warps,stages"
-        bm, bn, bk, w, st = (int(v) for v in override.split(",")[1:])
-        return dict(TMA=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=8)
-    if override:  # "BM,BN,BK,SPLIT,warps,stages" for tuning sweeps
-        bm, bn, bk, sk, w, s = (int(v) for v in override.split(","))
-        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=s, GROUP_M=8)
     if M == 1 and b_k_contiguous:
-        return (not k_blocked and gemv.env_config(N, K, 1)) or _gemv_config(N, K, k_blocked)
+        return dict(gemv.tile(N, K, torch.float8_e4m3fn, device, k_blocked), kernel="gemv")
     if M <= 16 and b_k_contiguous:
         return _skinny_config(N, K, k_blocked, device, fp8_dot)
     if M <= 16:
@@ -495,21 +426,23 @@ def _config(M: int, N: int, K: int, k_blocked: bool, device: torch.device,
         split = 1
         while tiles_n * split < want and K // (split * 2) >= 4 * bk:
             split *= 2
-        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3, GROUP_M=1)
+        return dict(kernel="tiled", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3,
+                    GROUP_M=1)
     if M <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4, GROUP_M=8)
+        return dict(kernel="tiled", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4,
+                    GROUP_M=8)
     if tma:
         # H200, M=4096, N=K=8192 (fp8_probe2/3.json): 385 us; 128x256x128 with 4 stages 417-436, a
         # persistent grid 405-418, warp-specialised 400, 256x128 452, 128x128 458, 64-wide K 454-458;
         # fp8 MMA promotion every 128 K products (MAX_IMPRECISE) 592
-        return dict(TMA=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, GROUP_M=8)
-    return dict(BLOCK_M=128, BLOCK_N=256 if N >= 256 and not k_blocked else 128, BLOCK_K=128, SPLIT_K=1,
-                num_warps=8, num_stages=3, GROUP_M=8)
+        return dict(kernel="tma", BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, GROUP_M=8)
+    return dict(kernel="tiled", BLOCK_M=128, BLOCK_N=256 if N >= 256 and not k_blocked else 128, BLOCK_K=128,
+                SPLIT_K=1, num_warps=8, num_stages=3, GROUP_M=8)
 
 
 def _max_imprecise() -> int:
     """K products an fp8 MMA may sum before promoting to fp32 (0: Triton's default)."""
-    return int(os.environ.get("EMBER_FP8_MAX_IMPRECISE", FP8_MAX_IMPRECISE))
+    return _switches.get("EMBER_FP8_MAX_IMPRECISE")
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, kind_a: str | None,
@@ -517,7 +450,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
               config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch on validated operands (``ember.ops.fp8.scaled_mm`` checks shapes, dtypes, devices).
 
-    ``config`` overrides the tile choice (tests and tuning); ``out`` is an [M, N] buffer to fill.
+    ``config``: an explicit tuning entry (module docstring), else this product's entry, else the rule;
+    ``out`` is an [M, N] buffer to fill.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -529,20 +463,26 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
         return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
     k_blocked = kind_b == "block" or kind_a == "block"
     fp8_dot = a.dtype == torch.float8_e4m3fn and _fp8_dot_supported(a.device)
-    cfg = dict(config or _config(M, N, K, k_blocked, a.device, b_k_contiguous=b.stride(0) == 1, fp8_dot=fp8_dot,
-                                 tma=_tma_eligible(a, b, kind_a, kind_b)))
-    if cfg.get("TMA"):
-        if not _tma_eligible(a, b, kind_a, kind_b):
-            raise ValueError("config: the TMA kernel needs fp8 a, tensor/row scales and K-contiguous, 16-byte "
-                             f"aligned operands; got a {a.dtype} strides {tuple(a.stride())}, b strides "
+    if config is None:
+        config = tuning.lookup(FAMILY, key(a.dtype, kind_a, kind_b, M, N, K), a.device)
+    if config is not None:
+        cfg = entry_config(config)
+    else:
+        cfg = rule(M, N, K, k_blocked, a.device, b_k_contiguous=b.stride(0) == 1, fp8_dot=fp8_dot,
+                      tma=tma_eligible(a, b, kind_a, kind_b))
+    kernel = cfg["kernel"]
+    if kernel == "tma":
+        if not tma_eligible(a, b, kind_a, kind_b):
+            raise ValueError("config: the TMA kernel needs sm_90+, fp8 a, tensor/row scales and K-contiguous, "
+                             f"16-byte aligned operands; got a {a.dtype} strides {tuple(a.stride())}, b strides "
                              f"{tuple(b.stride())}, scales {kind_a}/{kind_b}")
         return _launch_tma(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, cfg)
-    if cfg.get("GEMV"):
+    if kernel == "gemv":
         if M != 1 or b.stride(0) != 1:
             raise ValueError(f"config: the GEMV kernel needs M == 1 and a K-contiguous b, got M={M}, "
                              f"b.stride()={tuple(b.stride())}")
         return _launch_gemv(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, k_blocked, cfg)
-    skinny = cfg.get("SKINNY", False)
+    skinny = kernel == "skinny"
     if skinny and M > 16:
         raise ValueError(f"config: the few-row kernel takes M <= 16, got M={M}")
     if skinny:
@@ -552,7 +492,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
     if a.dtype == torch.float32 and cfg["BLOCK_M"] > 1:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 64)  # fp32 tiles: keep shared memory in bounds
     bk = cfg["BLOCK_K"]
-    k_per_split, split, ws = _k_split(M, N, K, cfg["SPLIT_K"], bk, out)
+    k_per_split, split, ws = k_split(M, N, K, cfg["SPLIT_K"], bk, out)
     # scale strides: (row/K axis, column/N axis); 0 broadcasts
     if kind_a is None:
         sa, s_am, s_ak = b, 0, 0  # unused pointer
@@ -564,7 +504,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
         sa, s_am, s_ak = scale_a, scale_a.stride(0), scale_a.stride(1)
     s_bk, s_bn, group = _b_scale_strides(scale_b, kind_b)
     if skinny:
-        _skinny_mm_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
+        skinny_mm_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
             a, b, sa, scale_b, bias if bias is not None else out, out, ws,
             M, N, K, k_per_split,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
@@ -586,27 +526,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
             IEEE=a.device.type != "cuda" or a.dtype == torch.float32, MAX_IMPRECISE=_max_imprecise() if fp8_dot else 0,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _reduce_splits(ws, bias, out, split, {})
+    reduce_splits(ws, bias, out, split, {})
     return out
-
-
-def _k_split(M: int, N: int, K: int, split: int, bk: int, out: torch.Tensor):
-    """(K per split, a whole number of bk steps; the splits that cover K; the fp32 workspace of their
-    partials, or ``out`` itself when K is not split)."""
-    k_per_split = -(-K // (split * bk)) * bk
-    split = -(-K // k_per_split)
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=out.device) if split > 1 else out
-    return k_per_split, split, ws
-
-
-def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split: int, pdl: dict) -> None:
-    """out = sum of the ``split`` partials in ``ws`` (fixed order) + bias, when K was split."""
-    if split > 1:
-        M, N = out.shape
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(M * N, block),)](
-            ws, bias if bias is not None else out, out, M, N, out.stride(0), out.stride(1),
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl)
 
 
 def _launch_tma(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, cfg) -> torch.Tensor:
@@ -644,68 +565,3 @@ def _launch_gemv(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, k_blocked, c
                        scale_a=scale_a if kind_a is not None else None, stride_sak=s_ak,
                        scale_b=scale_b, stride_sbk=s_bk, stride_sbn=s_bn, sb_n_group=group,
                        k_blocked=k_blocked)
-
-
-# ----------------------------------------------------------------------------- few-row bf16 / fp16 linear
-# 2..16 rows of x against an unscaled bf16 / fp16 weight [N, K] (K-contiguous): the dense projections of
-# batched decode. cuBLAS picks a split-K GEMM plus a reduce kernel for these (H200, batch-8 Qwen3-30B-A3B
-# step timeline: qkv 5120 x 2048 7.96 us against a 5.05 us floor, o_proj 2048 x 4096 7.42 + 1.85 us
-# against 4.04; bench/results/h200/step_timeline_b8.json), outside the step's chain of dependent
-# launches. The swapped-operand kernel streams the weight tiles straight into the MMA (no upcast).
-# Tiles (BLOCK_K, SPLIT_K, num_stages) by weight shape, measured inside the batch-8 decode step
-# (bench/sweeps/few_rows_b8.json, bench/results/h200/step_variants_few_rows_b8.json; step ms, cuBLAS
-# 7.574-7.604 and 7.573-7.600 again): qkv 128,2,4 + o_proj 128,4,4 7.490-7.515 (kept); 128,1,4 +
-# 128,2,4 7.482-7.545; 64-wide K steps x 6 stages 7.523-7.559; 256 x 3 7.545-7.583; 128,4,4 +
-# 128,8,4 7.564-7.603. About 1%, not the ~4% the floors allow: not profiled further. Shapes not listed
-# stay on cuBLAS.
-FEW_ROWS_MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {(5120, 2048): (128, 2, 4), (2048, 4096): (128, 4, 4)}
-
-
-def _few_rows_env_tiles() -> dict[tuple[int, int], tuple[int, ...]]:
-    """``EMBER_LINEAR_FEW_ROWS_TILE="NxK=BLOCK_K,SPLIT_K,num_stages;..."`` (decode-step sweeps)."""
-    var = "EMBER_LINEAR_FEW_ROWS_TILE"
-    tiles = {}
-    for entry in filter(None, (e.strip() for e in os.environ.get(var, "").split(";"))):
-        shape, _, tile = entry.partition("=")
-        dims = shape.lower().split("x")
-        if len(dims) != 2 or not all(d.strip().isdigit() for d in dims) or not tile:
-            raise ValueError(f"{var}: expected 'NxK=BLOCK_K,SPLIT_K,num_stages' entries separated by ';', "
-                             f"got {entry!r}")
-        tiles[(int(dims[0]), int(dims[1]))] = parse_ints(var, tile, "BLOCK_K,SPLIT_K,num_stages")
-    return tiles
-
-
-def few_rows_config(N: int, K: int) -> dict | None:
-    """The few-row kernel's tiles for an N x K weight, or None (cuBLAS): FEW_ROWS_MEASURED, or the
-    shapes listed in ``EMBER_LINEAR_FEW_ROWS_TILE`` (sweeps; they replace the table); with
-    ``EMBER_LINEAR_FEW_ROWS=0`` every shape stays on cuBLAS. Read per call (so per captured
-    decode-step variant)."""
-    if os.environ.get("EMBER_LINEAR_FEW_ROWS", "1") == "0":
-        return None
-    tile = (_few_rows_env_tiles() or FEW_ROWS_MEASURED).get((N, K))
-    if tile is None:
-        return None
-    bk, split, stages = tile
-    return dict(BLOCK_N=64, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
-
-
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """x [M, K] (2 <= M <= 16, any strides) @ weight [N, K].T (+ bias), weight K-contiguous and of x's
-    dtype; fp32 accumulation, one rounding (split K: fixed-order fp32 sums, then one rounding)."""
-    M, K = x.shape
-    N = weight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    bk = cfg["BLOCK_K"]
-    k_per_split, split, ws = _k_split(M, N, K, cfg["SPLIT_K"], bk, out)
-    on_gpu = x.device.type == "cuda"
-    pdl = pdl_options(x.device)
-    _skinny_mm_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
-        x, weight, weight, weight, bias if bias is not None else out, out, ws,  # sa, sb: unused pointers
-        M, N, K, k_per_split,
-        x.stride(0), x.stride(1), weight.stride(1), weight.stride(0), out.stride(0), out.stride(1),
-        0, 0, 0, 0,
-        A_SCALED=False, K_BLOCKED=False, SB_N_GROUP=1, HAS_BIAS=bias is not None, SPLIT_K=split,
-        DOT_F32=not on_gpu, IEEE=not on_gpu or x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=bk, B_SCALED=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
-    _reduce_splits(ws, bias, out, split, pdl)
-    return out

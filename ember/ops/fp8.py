@@ -107,9 +107,19 @@ def saturating_cast(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _fp8_kernels(t: torch.Tensor) -> bool:
+    """Whether the Triton fp8 kernels run for ``t``: the Triton path, and on CUDA a GPU with
+    float8_e4m3fn support in Triton (sm_89+; older GPUs take the reference)."""
+    if not _dispatch.use_triton(t):
+        return False
+    return t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
 def _quantize_impl(x, granularity, block_size):
-    if _dispatch.use_triton(x) and x.numel() and _kernel_quantizes(x, granularity, block_size):
-        return _dispatch.kernels("fp8").quantize(x, granularity, block_size)
+    if x.numel() and _kernel_quantizes(x, granularity, block_size) and _fp8_kernels(x):
+        _dispatch.prepare_triton()
+        from ember.kernels import fp8 as kernels
+        return kernels.quantize(x, granularity, block_size)
     return quantize_fp8_reference(x, granularity, block_size)
 
 
@@ -289,12 +299,14 @@ def scaled_mm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor 
 
 
 def _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype):
-    if not _dispatch.use_triton(a):
+    if not _fp8_kernels(a):
         return scaled_mm_reference(a, b, scale_a, scale_b, bias, out_dtype)
+    _dispatch.prepare_triton()
+    from ember.kernels import fp8 as kernels
     M, K = a.shape
     N = b.shape[1]
-    return _dispatch.kernels("fp8").scaled_mm(a, b, scale_a, _kind_of(scale_a, "a", M, K, N), scale_b,
-                                              _kind_of(scale_b, "b", M, K, N), bias, out_dtype)
+    return kernels.scaled_mm(a, b, scale_a, _kind_of(scale_a, "a", M, K, N), scale_b,
+                             _kind_of(scale_b, "b", M, K, N), bias, out_dtype)
 
 
 @torch.library.custom_op("ember::scaled_mm", mutates_args=())

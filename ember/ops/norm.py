@@ -67,7 +67,8 @@ def rmsnorm_gated_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tens
 def _impl(x, residual, weight, eps):
     if not _dispatch.use_triton(x):
         return add_rmsnorm_reference(x, residual, weight, eps)
-    k = _dispatch.kernels("norm")
+    _dispatch.prepare_triton()
+    from ember.kernels import norm as k
     x2 = _checks.rows_2d(x)
     r2 = _checks.rows_2d(residual) if residual is not None else None
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -94,8 +95,9 @@ def _gated_impl(x, z, weight, eps):
         return rmsnorm_gated_reference(x, z, weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
-        _dispatch.kernels("norm").rmsnorm_gated(_groups_3d(x), _groups_3d(z), weight.contiguous(), eps,
-                                                _groups_3d(out))
+        _dispatch.prepare_triton()
+        from ember.kernels import norm as kernels
+        kernels.rmsnorm_gated(_groups_3d(x), _groups_3d(z), weight.contiguous(), eps, _groups_3d(out))
     return out
 
 
@@ -204,8 +206,10 @@ def rmsnorm_silu(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         if out2 is None:  # rows of out that do not merge into one 2-d view: through a temporary
             target.copy_(rmsnorm_silu(x, weight, eps, bias=bias))
         else:
-            _dispatch.kernels("norm").rmsnorm_silu(_checks.rows_2d(x), weight.contiguous(), eps, out2,
-                                                   bias=None if bias is None else bias.contiguous())
+            _dispatch.prepare_triton()
+            from ember.kernels import norm as kernels
+            kernels.rmsnorm_silu(_checks.rows_2d(x), weight.contiguous(), eps, out2,
+                                 bias=None if bias is None else bias.contiguous())
     return target
 
 

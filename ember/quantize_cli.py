@@ -15,7 +15,12 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
+import fnmatch
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 HELP = "write an FP8 (128x128 block) copy of a checkpoint"
 # Substrings of weights that stay in their dtype: they are small, or set the logits / routing.
@@ -28,10 +33,13 @@ SHARD_BYTES = 4 * 1024 ** 3
 
 
 def add_arguments(p) -> None:
-    p.add_argument("src", metavar="DIR", help="checkpoint directory")
-    p.add_argument("out", metavar="OUT", help="output directory (created)")
+    p.add_argument("src", metavar="DIR", help="checkpoint directory or Hugging Face repo id (org/name)")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist, be empty, or be given --overwrite)")
     p.add_argument("--fp8", action="store_true", required=True, help="quantise to float8_e4m3fn (the only format)")
-    p.add_argument("--device", default=None, help="where to quantise (default cuda when present)")
+    p.add_argument("--device", default=None, help="where to quantise: cpu, cuda, cuda:N or mps (default cuda when present)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id (default main)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint files of a non-empty OUT (other files there are kept)")
 
 
 def quantizable(name: str, t) -> bool:
@@ -47,27 +55,105 @@ def _stacked_experts(name: str, t):
     return None
 
 
-def quantize_checkpoint(src, out, device=None) -> int:
-    """Write the FP8 checkpoint; returns the number of tensors quantised."""
+# Files of a checkpoint directory that --overwrite replaces (anything else in OUT is left alone).
+STALE = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "config.json",
+         "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+         "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json")
+
+
+def _check_output(src: Path, files, out: Path, overwrite: bool) -> None:
+    """OUT must not be, hold or sit inside the source (nor hold what the source links to), and must be
+    absent, empty or given --overwrite."""
+    src_r, out_r = src.resolve(), out.resolve()
+    if out_r == src_r:
+        raise ValueError(f"OUT {out}: is the source directory; choose another output directory")
+    if out_r.is_relative_to(src_r):
+        raise ValueError(f"OUT {out}: is inside the source directory {src}; choose a directory outside it")
+    if src_r.is_relative_to(out_r):
+        raise ValueError(f"OUT {out}: contains the source directory {src}; choose a directory outside it")
+    linked = next((f for f in sorted(set(files.values())) if f.resolve().is_relative_to(out_r)), None)
+    if linked is not None:  # e.g. a Hub cache snapshot whose files link into OUT
+        raise ValueError(f"OUT {out}: holds the source file {linked.resolve()} ({linked.name}); "
+                         "choose a directory outside it")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"OUT {out}: exists and is not empty; pass --overwrite to replace its checkpoint files")
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Move the finished checkpoint in ``tmp`` to ``out``: a rename when ``out`` is absent or holds only
+    checkpoint files (those are dropped); otherwise its stale checkpoint files are removed and the new
+    files moved in beside whatever else it holds."""
+    import shutil
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    entries = list(out.iterdir())
+    stale = [e for e in entries if e.is_file() and any(fnmatch.fnmatch(e.name, pat) for pat in STALE)]
+    if len(stale) == len(entries):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / out.name)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+        return
+    for e in stale:
+        e.unlink()
+    for f in tmp.iterdir():
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+
+
+def quantize_checkpoint(src, out, device=None, *, overwrite: bool = False, revision: str | None = None) -> int:
+    """Write the FP8 checkpoint of ``src`` (a directory or Hub repo id) to ``out``; returns the number
+    of tensors quantised.
+
+    Nothing is written before the source validates (config, model type, every tensor present with
+    the shape config.json implies) and ``out`` is safe to write (never the source, inside it or
+    around it). The checkpoint is written to a temporary directory beside ``out`` and renamed into
+    place at the end, so a failure leaves neither a partial checkpoint nor an empty directory.
+    """
+    import shutil
+
+    from ember.hub import resolve_checkpoint
+    from ember.loading import check_device, read_config, validate_checkpoint
+
+    device = check_device(device)
+    src, out = resolve_checkpoint(src, revision), Path(os.fspath(out)).expanduser()
+    cfg = read_config(src)
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
+        raise ValueError(f"{src}: already an FP8 checkpoint")
+    cfg, files = validate_checkpoint(src)
+    _check_output(src, files, out, overwrite)
+
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        count = _convert(src, tmp, cfg, files, device)
+        _install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:  # parents this call created, innermost first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+    return count
+
+
+def _convert(src: Path, out: Path, cfg: dict, files: dict, device) -> int:
+    """Write the FP8 checkpoint into the (empty) directory ``out``."""
     import json
     import shutil
-    from pathlib import Path
 
     import torch
     from safetensors.torch import save_file
 
-    from ember.loading import _open, checkpoint_files, read_config
+    from ember.loading import _finite, _open
     from ember.ops import fp8 as fp8_ops
 
-    src, out = Path(src), Path(out)
-    cfg = read_config(src)
-    if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
-        raise ValueError(f"{src}: already an FP8 checkpoint")
-    files = checkpoint_files(src)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    out.mkdir(parents=True, exist_ok=True)
     shard, shard_bytes, shards, weight_map, count = {}, 0, [], {}, 0
-    handles = {}
+    handles, flags = {}, []
 
     def flush():
         nonlocal shard, shard_bytes
@@ -96,7 +182,9 @@ def quantize_checkpoint(src, out, device=None) -> int:
         f = files[name]
         if f not in handles:
             handles[f] = _open(f)
-        t = handles[f].get_tensor(name)
+        t = handles[f].get_tensor(name).to(device)
+        if t.is_floating_point() and t.numel():
+            flags.append((name, _finite(t)))  # read back once, before the config is written
         stacked = _stacked_experts(name, t)
         if stacked:  # stacked experts -> per expert, the HF FP8 layout
             base, (gate_n, up_n, down_n) = stacked
@@ -112,6 +200,13 @@ def quantize_checkpoint(src, out, device=None) -> int:
         else:
             put(name, t)
     flush()
+    if flags:
+        ok = torch.stack([flag for _, flag in flags]).cpu()
+        bad = [name for (name, _), good in zip(flags, ok.tolist()) if not good]
+        if bad:
+            raise ValueError(f"{files[bad[0]]}: tensor {bad[0]} has non-finite values (NaN or inf)"
+                             + (f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else "")
+                             + "; the checkpoint is damaged")
     if len(shards) == 1:
         (out / shards[0]).rename(out / "model.safetensors")
     else:
@@ -129,8 +224,8 @@ def quantize_checkpoint(src, out, device=None) -> int:
 
 def run(args) -> int:
     try:
-        n = quantize_checkpoint(args.src, args.out, args.device)
-    except (ValueError, FileNotFoundError) as e:
+        n = quantize_checkpoint(args.src, args.out, args.device, overwrite=args.overwrite, revision=args.revision)
+    except (ValueError, OSError) as e:  # OSError: missing files, the Hub, a full disk
         print(f"ember quantize: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: {n} weights in float8_e4m3fn with 128x128 block scales")

@@ -312,6 +312,30 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _shared_memory(device: torch.device) -> int | None:
+    """Shared memory one program may use on ``device`` (bytes; None where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+
+
+def fit_shared_memory(cfg: dict, a_bytes: int, limit: int | None) -> dict:
+    """Shrink a pointer-fed tile (``tiled`` / ``skinny``) in place until its pipelined operand tiles
+    (num_stages x (a tile + fp8 b tile), an estimate) fit ``limit`` bytes: fewer stages (down to 2),
+    then narrower N tiles (down to 64). The rule's tiles were sized for the H200's 227 KiB, where
+    they all fit as they are; this keeps them launchable on GPUs with less (sm_89: 99 KiB)."""
+    if limit is None or cfg["kernel"] not in ("tiled", "skinny"):
+        return cfg
+
+    def need():
+        bm = 16 if cfg["kernel"] == "skinny" else cfg["BLOCK_M"]
+        return cfg["num_stages"] * cfg["BLOCK_K"] * (bm * a_bytes + cfg["BLOCK_N"])
+
+    while need() > limit and cfg["num_stages"] > 2:
+        cfg["num_stages"] -= 1
+    while need() > limit and cfg["BLOCK_N"] > 64 and cfg["kernel"] == "tiled":
+        cfg["BLOCK_N"] //= 2
+    return cfg
+
+
 def _fp8_dot_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -465,11 +489,12 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
     fp8_dot = a.dtype == torch.float8_e4m3fn and _fp8_dot_supported(a.device)
     if config is None:
         config = tuning.lookup(FAMILY, key(a.dtype, kind_a, kind_b, M, N, K), a.device)
+    from_rule = config is None
     if config is not None:
         cfg = entry_config(config)
     else:
         cfg = rule(M, N, K, k_blocked, a.device, b_k_contiguous=b.stride(0) == 1, fp8_dot=fp8_dot,
-                      tma=tma_eligible(a, b, kind_a, kind_b))
+                   tma=tma_eligible(a, b, kind_a, kind_b))
     kernel = cfg["kernel"]
     if kernel == "tma":
         if not tma_eligible(a, b, kind_a, kind_b):
@@ -491,6 +516,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None, ki
         cfg["BLOCK_K"] = SCALE_BLOCK  # one K scale block per step
     if a.dtype == torch.float32 and cfg["BLOCK_M"] > 1:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 64)  # fp32 tiles: keep shared memory in bounds
+    if from_rule and a.device.type == "cuda":
+        fit_shared_memory(cfg, a.element_size(), _shared_memory(a.device))
     bk = cfg["BLOCK_K"]
     k_per_split, split, ws = k_split(M, N, K, cfg["SPLIT_K"], bk, out)
     # scale strides: (row/K axis, column/N axis); 0 broadcasts

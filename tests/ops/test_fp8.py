@@ -673,3 +673,22 @@ def test_candidates_are_valid_entries_interpreter(interpreter):
     a, b, sa, sb = make_operands(1, 520, 37, None, "block", b_col_major=True)
     entry = next(e for e in k.candidates(1, 37, 520, True, False) if e["kernel"] == "gemv" and e["BLOCK_N"] == 4)
     check_kernel_against_reference(a, b, sa, sb, None, torch.bfloat16, entry)
+
+
+def test_rule_tiles_fit_shared_memory(interpreter):
+    """The rule's tiles stay as they are where they fit (the H200's 227 KiB a program), and shrink to
+    fit a GPU with less (sm_89's 99 KiB) instead of failing to launch."""
+    k = _dispatch.kernels("fp8")
+    h200, ada = 232448, 101376
+    for M, kb, contig, f8, tma in [(2, False, True, True, False), (16, False, True, False, False),
+                                   (8, True, False, False, False), (40, False, True, False, False),
+                                   (4096, False, True, False, False), (4096, True, True, True, False)]:
+        for a_bytes in (1, 2, 4):
+            cfg = k.rule(M, 8192, 8192, kb, torch.device("cpu"), b_k_contiguous=contig, fp8_dot=f8, tma=tma)
+            if a_bytes == 4 and cfg["kernel"] == "tiled" and cfg["BLOCK_M"] > 1:
+                cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 64)
+            assert k.fit_shared_memory(dict(cfg), a_bytes, h200) == cfg
+            small = k.fit_shared_memory(dict(cfg), a_bytes, ada)
+            bm = 16 if cfg["kernel"] == "skinny" else cfg["BLOCK_M"]
+            assert small["num_stages"] * small["BLOCK_K"] * (bm * a_bytes + small["BLOCK_N"]) <= ada
+            assert small["num_stages"] >= 2

@@ -152,7 +152,21 @@ def lookup_with_source(family: str, key: str, device) -> tuple[dict | None, str]
     info = device_info(device)
     if info is None:
         return None, "rule"
-    if _switches.get("EMBER_TUNING") != GENERIC:
+    memo_key = (family, key, info, _switches.get("EMBER_TUNING"), _switches.get("EMBER_TUNING_CACHE"))
+    found = _memo.get(memo_key)
+    if found is None:
+        found = _memo[memo_key] = _resolve(family, key, info, memo_key[3])
+    return found
+
+
+# Resolved entries, per (family, key, device, mode, cache folder): a launch looks up its tile on every
+# call (eager decode too), and walking the files took ~27 us a call on a CPU host. A cache file written
+# by another process is seen after a restart; ``write_cache`` here clears the memo.
+_memo: dict[tuple, tuple[dict | None, str]] = {}
+
+
+def _resolve(family: str, key: str, info: DeviceInfo, mode: str) -> tuple[dict | None, str]:
+    if mode != GENERIC:
         cached = _cached_entries(info, family)
         if key in cached:
             return cached[key], f"cache:{cache_file(info, family)}"
@@ -192,6 +206,7 @@ def write_cache(info: DeviceInfo, family: str, entries: dict[str, dict]) -> Path
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
+    _memo.clear()
     return path
 
 

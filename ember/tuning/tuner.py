@@ -51,7 +51,7 @@ def tune(family: str, device: torch.device, *, keys: Sequence[str] | None = None
          timer: Callable[[list], float] = _graph_timer, write: bool = True,
          progress: Callable[[str], None] = lambda msg: None) -> dict:
     """Sweep ``family`` on ``device``; returns ``{key: {"best", "best_us", "current_us", "tried",
-    "failed"}}`` and (``write``) caches each key's winner. ``current_us`` is what the kernels ran
+    "failed"}}`` and (``write``) caches each key's winner where it beats what runs today. ``current_us`` is what the kernels ran
     before (shipped entry, generic entry or rule), timed in the same sweep."""
     if family not in TUNABLES:
         raise ValueError(f"family: expected one of {', '.join(sorted(TUNABLES))}, got {family!r}")
@@ -77,7 +77,7 @@ def tune(family: str, device: torch.device, *, keys: Sequence[str] | None = None
                 best, best_us = cand, us
         progress(f"{family} {key}: {best_us:.2f} us (was {current_us:.2f}), {tried} tiles, {failed} failed")
         report[key] = {"best": best, "best_us": best_us, "current_us": current_us, "tried": tried, "failed": failed}
-        if best is not None:
+        if best is not None and best_us < current_us:  # never cache a tile slower than what runs today
             winners[key] = best
     if write and winners:
         report["_file"] = str(tuning.write_cache(info, family, winners))

@@ -24,11 +24,11 @@ def data(tmp_path, monkeypatch):
     (root / "generic" / "fam.json").write_text(json.dumps({"a": {"T": 10}, "c": {"T": 30}}))
     monkeypatch.setattr(tuning, "DATA_DIR", root)
     monkeypatch.setenv("EMBER_TUNING_CACHE", str(tmp_path / "cache"))
-    for f in (tuning._shipped_devices, tuning._family_file):
-        f.cache_clear()
+    for f in (tuning._shipped_devices, tuning._family_file, tuning._memo.clear):
+        getattr(f, "cache_clear", f)()
     yield root
-    for f in (tuning._shipped_devices, tuning._family_file):
-        f.cache_clear()
+    for f in (tuning._shipped_devices, tuning._family_file, tuning._memo.clear):
+        getattr(f, "cache_clear", f)()
 
 
 def test_measured_device_gets_its_entries_then_generic_then_the_rule(data):
@@ -87,13 +87,14 @@ def test_a_broken_data_file_is_named(data):
 def test_shipped_h200_data_parses_and_names_the_h200():
     tuning._shipped_devices.cache_clear()
     tuning._family_file.cache_clear()
+    tuning._memo.clear()
     assert tuning.shipped_folder(H200) is not None
     for path in tuning.DATA_DIR.glob("*/*.json"):
         assert isinstance(json.loads(path.read_text()), dict), path
 
 
 def test_tuner_picks_the_fastest_correct_tile_and_caches_it(data):
-    timings = {1: 5.0, 2: 3.0, 3: 1.0}  # tile 3 is fastest but computes wrong values
+    timings = {1: 5.0, 2: 3.0, 3: 1.0, 5: 1.5}  # 3 is fastest but computes wrong values
 
     def candidates(key):
         return [{"T": 1}, {"T": 2}, {"T": 3}, {"T": 4}]
@@ -118,10 +119,16 @@ def test_tuner_picks_the_fastest_correct_tile_and_caches_it(data):
         with pytest.raises(ValueError, match="CUDA GPU"):
             tuner.tune("toy", torch.device("cpu"), timer=timer)
         report = tuner.tune("toy", H200, timer=timer)
+        assert report["k1"]["best"] == {"T": 2} and report["k1"]["failed"] == 2 and report["k1"]["current_us"] == 4.0
+        assert tuning.lookup_with_source("toy", "k1", H200) == ({"T": 2}, f"cache:{tuning.cache_file(H200, 'toy')}")
+        # what runs now is {"T": 2} at 3.0 us; a sweep whose best is slower writes nothing
+        candidates = lambda key: [{"T": 1}]  # noqa: E731
+        tuner.TUNABLES["toy"].candidates = candidates
+        again = tuner.tune("toy", H200, timer=timer)
+        assert again["k1"]["best_us"] == 5.0 and "_file" not in again
+        assert tuning.lookup("toy", "k1", H200) == {"T": 2}
     finally:
         del tuner.TUNABLES["toy"]
-    assert report["k1"]["best"] == {"T": 2} and report["k1"]["failed"] == 2 and report["k1"]["current_us"] == 4.0
-    assert tuning.lookup_with_source("toy", "k1", H200) == ({"T": 2}, f"cache:{tuning.cache_file(H200, 'toy')}")
 
 
 def test_gemv_keys_are_validated():

@@ -90,6 +90,9 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         wrong = sorted(n for n, f in files.items() if n not in held[f])
         if wrong:
             n = wrong[0]
+            for f in sorted(path.glob("*.safetensors")):  # shards the index no longer lists too
+                if f not in held:
+                    held[f] = set(_open(f).keys())
             actual = next((f.name for f, names in held.items() if n in names), None)
             where = f"it is in {actual}" if actual else "no shard holds it"
             more = f" ({len(wrong) - 1} more entries are wrong too)" if len(wrong) > 1 else ""

@@ -8,10 +8,16 @@ Which modules convert: ``config.filter_fn(module, fqn)`` when given (it sees eve
 handler), else :func:`default_filter`: every ``nn.Linear`` except the output head and MoE routers
 (last name component ``lm_head``, ``gate`` or ``router``: small, and accuracy-critical) and layers
 whose weight is tied to an embedding.
+
+Nothing is skipped silently: :func:`plan` lists every module that has a handler with what
+``quantize_`` does to it and why, and ``quantize_`` warns (naming the modules and the reasons) when
+it converts nothing. A model that is itself a convertible layer (``quantize_(nn.Linear(7, 13), cfg)``)
+cannot be replaced in place: its replacement is returned, with a warning to use the return value.
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -88,8 +94,70 @@ def _linear_to_fp8(module: nn.Linear, config: Fp8Config, fqn: str) -> nn.Module:
     return Fp8Linear.from_linear(module, granularity=config.granularity, activations=config.activations)
 
 
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What :func:`quantize_` does with one module that has a handler: ``fqn`` ("" for the model
+    itself), its type name, whether it converts, and why not when it does not."""
+    fqn: str
+    module: str
+    converts: bool
+    reason: str = ""
+
+
+def _check_args(model, config) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not any(isinstance(config, ct) for ct, _ in _HANDLERS):
+        raise TypeError(f"config: expected one of {sorted({ct.__name__ for ct, _ in _HANDLERS})}, "
+                        f"got {type(config).__name__}")
+
+
+def _decide(module: nn.Module, fqn: str, config, tied: frozenset[int]) -> Decision:
+    kind = type(module).__name__
+    if getattr(config, "filter_fn", None) is not None:
+        ok = bool(config.filter_fn(module, fqn))
+        return Decision(fqn, kind, ok, "" if ok else "filter_fn returned False")
+    if default_filter(module, fqn, tied=tied):
+        return Decision(fqn, kind, True)
+    if not isinstance(module, nn.Linear):
+        return Decision(fqn, kind, False, "the default filter converts nn.Linear only (pass filter_fn to select it)")
+    last = fqn.rsplit(".", 1)[-1]
+    if last in KEEP_NAMES:
+        return Decision(fqn, kind, False, f"the default filter keeps '{last}' layers (output head, MoE router) "
+                                          "in their dtype")
+    return Decision(fqn, kind, False, "its weight is tied to an embedding")
+
+
+def plan(model: nn.Module, config) -> list[Decision]:
+    """What :func:`quantize_` would do with each module of ``model`` that has a handler for ``config``
+    (a selected module's children are not visited). Nothing is changed.
+
+    Example:
+        >>> [(d.fqn, d.converts, d.reason) for d in plan(model, ember.Fp8Config()) if not d.converts]
+        [('lm_head', False, "the default filter keeps 'lm_head' layers (output head, MoE router) in their dtype")]
+    """
+    _check_args(model, config)
+    tied = frozenset(id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding))
+    decisions: list[Decision] = []
+
+    def walk(module: nn.Module, fqn: str) -> None:
+        if _handler_for(module, config) is not None:
+            d = _decide(module, fqn, config, tied)
+            decisions.append(d)
+            if d.converts:
+                return
+        for name, child in module.named_children():
+            walk(child, f"{fqn}.{name}" if fqn else name)
+
+    walk(model, "")
+    return decisions
+
+
 def quantize_(model: nn.Module, config: Fp8Config) -> nn.Module:
-    """Replace ``model``'s convertible layers in place; returns ``model`` for chaining.
+    """Replace ``model``'s convertible layers in place; returns ``model`` for chaining (or, when
+    ``model`` is itself a convertible layer, its replacement, with a warning: it cannot change in
+    place). Warns naming each skipped module and why when nothing converts; :func:`plan` lists
+    every decision.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
@@ -97,36 +165,32 @@ def quantize_(model: nn.Module, config: Fp8Config) -> nn.Module:
         >>> type(model[0]).__name__
         'Fp8Linear'
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if not any(isinstance(config, ct) for ct, _ in _HANDLERS):
-        raise TypeError(f"config: expected one of {sorted({ct.__name__ for ct, _ in _HANDLERS})}, "
-                        f"got {type(config).__name__}")
-    tied = frozenset(id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding))
-
-    def select(module, fqn):
-        if getattr(config, "filter_fn", None) is not None:
-            return bool(config.filter_fn(module, fqn))
-        return default_filter(module, fqn, tied=tied)
-
-    replacements = list(_walk(model, config, select))
+    decisions = plan(model, config)
+    chosen = [d for d in decisions if d.converts]
     with torch.no_grad():
-        for fqn, module in replacements:
-            new = _handler_for(module, config)(module, config, fqn)
+        if chosen and chosen[0].fqn == "":  # the model itself
+            new = _handler_for(model, config)(model, config, "")
+            new.train(model.training)
+            warnings.warn(f"quantize_: the model is itself a {type(model).__name__}, which cannot be replaced in "
+                          f"place; use the returned {type(new).__name__} (model = ember.quantize_(model, config))",
+                          stacklevel=2)
+            return new
+        for d in chosen:
+            module = model.get_submodule(d.fqn)
+            new = _handler_for(module, config)(module, config, d.fqn)
             new.train(module.training)
-            parent_name, _, child = fqn.rpartition(".")
+            parent_name, _, child = d.fqn.rpartition(".")
             setattr(model.get_submodule(parent_name), child, new)
+    if not chosen:
+        if decisions:
+            shown = "; ".join(f"{d.fqn or '<model>'} ({d.module}): {d.reason}" for d in decisions[:4])
+            more = f"; and {len(decisions) - 4} more" if len(decisions) > 4 else ""
+            warnings.warn(f"quantize_: converted nothing; skipped {shown}{more}", stacklevel=2)
+        else:
+            kinds = sorted({mt.__name__ for ct, mt in _HANDLERS if isinstance(config, ct)})
+            warnings.warn(f"quantize_: converted nothing; {type(model).__name__} has no module of a type "
+                          f"{type(config).__name__} converts ({', '.join(kinds)})", stacklevel=2)
     return model
 
 
-def _walk(module: nn.Module, config, select, prefix: str = ""):
-    """(fqn, module) for each selected module with a handler; selected modules are not descended into."""
-    for name, child in module.named_children():
-        fqn = f"{prefix}.{name}" if prefix else name
-        if _handler_for(child, config) is not None and select(child, fqn):
-            yield fqn, child
-        else:
-            yield from _walk(child, config, select, fqn)
-
-
-__all__ = ["Fp8Config", "quantize_", "register_handler", "default_filter", "KEEP_NAMES"]
+__all__ = ["Fp8Config", "quantize_", "plan", "Decision", "register_handler", "default_filter", "KEEP_NAMES"]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import ember
 from tests.models import tiny
@@ -233,3 +233,145 @@ def test_fp8_lm_head_needs_fp8_and_a_bool(moe):
         ember.load(path, max_seq_len=32, fp8_lm_head=True)
     with pytest.raises(TypeError, match="fp8_lm_head: expected a bool"):
         ember.load(path, fp8=True, max_seq_len=32, fp8_lm_head="yes")
+
+
+# ----------------------------------------------------------------------------- hardening: named errors
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    hf = tiny.build(tiny.dense_config())
+    return hf, tiny.save(hf, tmp_path_factory.mktemp("dense"), tokenizer=True)
+
+
+def _copy_dir(src, dst):
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_named(dense, tmp_path, value):
+    _, path = dense
+    def poison(sd):
+        sd["model.layers.1.mlp.down_proj.weight"][3, 5] = value
+    p = _copy_with(path, tmp_path, tensors_edit=poison)
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.1\.mlp\.down_proj\.weight has "
+                                         r"non-finite values .*check_weights=False"):
+        ember.load(p, max_seq_len=16)
+    em = ember.load(p, max_seq_len=16, check_weights=False)  # loads as asked
+    assert not torch.isfinite(em.net.state_dict()[next(k for k in em.net.state_dict() if "layers.1" in k and
+                                                        "down" in k)]).all()
+
+
+def test_non_finite_fp8_weight_is_named(dense, tmp_path):
+    from ember.quantize_cli import quantize_checkpoint
+    _, path = dense
+    out = tmp_path / "fp8"
+    quantize_checkpoint(path, out, "cpu")
+    sd = load_file(str(out / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_proj.weight"
+    assert sd[name].dtype == torch.float8_e4m3fn
+    sd[name].view(torch.uint8)[1, 2] = 0x7F  # e4m3fn NaN
+    save_file(sd, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor {name} has non-finite values"):
+        ember.load(out, max_seq_len=16)
+
+
+@pytest.mark.gpu
+def test_non_finite_weights_are_named_on_the_gpu(dense, tmp_path):
+    _, path = dense
+    p = _copy_with(path, tmp_path, tensors_edit=lambda sd: sd["model.norm.weight"].__setitem__(7, float("nan")))
+    with pytest.raises(ValueError, match=r"tensor model\.norm\.weight has non-finite values"):
+        ember.load(p, device="cuda", max_seq_len=16)
+    assert ember.load(path, device="cuda", max_seq_len=16).net.lm_head.weight.is_cuda
+
+
+def test_weight_map_pointing_at_the_wrong_shard(dense, tmp_path):
+    hf, _ = dense
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    wm = index["weight_map"]
+    shards = sorted(set(wm.values()))
+    name = next(n for n, f in wm.items() if f == shards[0])
+    wm[name] = shards[1]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"weight_map puts {name} in {shards[1]}, but that file does not hold it "
+                                         rf"\(it is in {shards[0]}\)"):
+        ember.load(tmp_path, max_seq_len=16)
+
+
+@pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json", "generation_config.json",
+                                  "model.safetensors.index.json"])
+def test_bad_json_names_the_file(dense, tmp_path, file):
+    hf, path = dense
+    if file == "model.safetensors.index.json":
+        hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    else:
+        _copy_dir(path, tmp_path)
+    (tmp_path / file).write_text('{"eos_token_id": 1,\n "oops": }')
+    with pytest.raises(ValueError, match=rf"{file}: not valid JSON \(line 2, column 10"):
+        ember.load(tmp_path, max_seq_len=16)
+
+
+def test_num_hidden_layers_beyond_the_checkpoint(dense, tmp_path):
+    _, path = dense
+    p = _copy_with(path, tmp_path / "more", cfg_edit=lambda c: c.update(num_hidden_layers=4))
+    with pytest.raises(ValueError, match=r"num_hidden_layers=4, but the checkpoint has no tensors for "
+                                         r"model\.layers\.2\.\*, model\.layers\.3\.\*"):
+        ember.load(p, max_seq_len=16)
+    p = _copy_with(path, tmp_path / "fewer", cfg_edit=lambda c: c.update(num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"does not use, e\.g\. model\.layers\.1\..*num_hidden_layers=1 but the "
+                                         r"checkpoint also holds layer\(s\) 1"):
+        ember.load(p, max_seq_len=16)
+
+
+def test_wrong_model_type_is_suggested(moe, tmp_path):
+    _, path = moe
+    def as_dense(cfg):  # a dense config.json beside MoE weights: nothing in the config gives it away
+        cfg.update(model_type="qwen3")
+        for key in ("num_experts", "num_local_experts"):
+            cfg.pop(key, None)
+    p = _copy_with(path, tmp_path, cfg_edit=as_dense)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight.*the checkpoint has \d+ tensor\(s\) "
+                                         r"under model\.layers\.0\.mlp\. the qwen3 model does not read, e\.g\. "
+                                         r"model\.layers\.0\.mlp\.experts\..*; is model_type right\?"):
+        ember.load(p, max_seq_len=16)
+
+
+@pytest.mark.parametrize("device, words", [("nosuch", "not a device name"), ("cuda:9", "")])
+def test_bad_device_is_named(dense, device, words):
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() > 9:
+            pytest.skip("cuda:9 exists")
+        words = "only" if torch.cuda.is_available() else "no CUDA support"
+    with pytest.raises(ValueError, match=rf"device '{device}'.*{words}"):
+        ember.load(dense[1], device=device, max_seq_len=16)
+
+
+def test_progress_bar_only_on_a_terminal(dense, capsys, monkeypatch):
+    import os
+    import pty
+    import subprocess
+    import sys
+    import ember.loading
+    _, path = dense
+    monkeypatch.setattr(ember.loading, "PROGRESS_BYTES", 0)  # the tiny checkpoint counts as large
+    ember.load(path, max_seq_len=16)
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here
+    leader, follower = pty.openpty()
+    code = ("import ember, ember.loading as l; l.PROGRESS_BYTES = 0; "
+            f"ember.load({str(path)!r}, max_seq_len=16); print('done')")
+    r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=follower, timeout=300)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert r.returncode == 0 and r.stdout.strip() == b"done"
+    assert b"loading " + path.name.encode() in shown

@@ -115,3 +115,40 @@ def test_register_handler_extends_quantize():
 def test_bad_input(call, exc, words):
     with pytest.raises(exc, match=words):
         call()
+
+
+def test_a_bare_linear_is_converted_and_returned_with_a_warning():
+    layer = nn.Linear(7, 13)
+    x = torch.randn(3, 7)
+    with pytest.warns(UserWarning, match=r"the model is itself a Linear, which cannot be replaced in place; use the "
+                                         r"returned Fp8Linear"):
+        new = ember.quantize_(layer, ember.Fp8Config())
+    assert isinstance(new, Fp8Linear) and type(layer) is nn.Linear
+    ref = x @ new.dequantized_weight(torch.float32).t() + layer.bias
+    torch.testing.assert_close(new(x), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_nothing_converted_names_each_module_and_why():
+    m = Tiny()
+    with pytest.warns(UserWarning, match=r"converted nothing; skipped layers\.0\.q_proj \(Linear\): filter_fn returned "
+                                         r"False; .*and \d+ more"):
+        ember.quantize_(m, ember.Fp8Config(filter_fn=lambda mod, fqn: False))
+    head_only = nn.Module()
+    head_only.lm_head = nn.Linear(16, 32)
+    with pytest.warns(UserWarning, match=r"skipped lm_head \(Linear\): the default filter keeps 'lm_head' layers"):
+        ember.quantize_(head_only, ember.Fp8Config())
+    with pytest.warns(UserWarning, match=r"Sequential has no module of a type Fp8Config converts \(.*Linear"):
+        ember.quantize_(nn.Sequential(nn.Embedding(4, 4)), ember.Fp8Config())
+
+
+def test_plan_lists_every_decision_and_changes_nothing():
+    from ember.quantize import plan
+    m = Tiny(tie=True)
+    decisions = {d.fqn: d for d in plan(m, ember.Fp8Config())}
+    assert type(m.layers[0].q_proj) is nn.Linear  # nothing converted
+    assert decisions["layers.0.q_proj"].converts and decisions["layers.1.mlp.up"].converts
+    assert not decisions["layers.0.mlp.gate"].converts and "'gate'" in decisions["layers.0.mlp.gate"].reason
+    assert not decisions["lm_head"].converts
+    m.out = m.lm_head
+    del m.lm_head
+    assert plan(m, ember.Fp8Config())[-1].reason == "its weight is tied to an embedding"

@@ -4,27 +4,27 @@ Floors (H200: 4.15 TB/s copy bandwidth, ~2-3 us per dependent kernel launch insi
   * [1, 128256] fp32 is 513 KB: 0.12 us of HBM time, so one row is pure latency. softmax (one launch
     with a grid barrier for few rows) reads it once and writes it once; argmax (one launch, the last
     program of the row combines the chunks' slots) reads it once. Both launch with PDL. Measured
-    (bench/sampling_latency_probe.py): softmax 3.2 us, argmax 2.4-2.6 us, against 1.0 us for an
-    empty 126-program kernel and 1.4 us for a 126-program load-and-reduce.
+    (bench/results/h200/sampling_latency_probe.json): softmax 3.2 us, argmax 2.4-2.6 us, against 1.0 us
+    for an empty 126-program kernel and 1.4 us for a 126-program load-and-reduce.
   * [256, 128256] fp32 softmax moves 131 MB in + 131 MB out = 263 MB -> 63 us at copy bandwidth.
     The two-launch kernel re-reads the input (394 MB; the second read hits L2 only for the rows read
-    last): 107.9 us measured, 59% of copy bandwidth. The persistent one-launch kernel (per-row
-    barriers, x read once): 93.6 us, 67.5% measured at its default 8192,8,2,1 (target 80%, missed;
-    ``wave_sweep`` times its shapes, ember/kernels/sampling.py ``_softmax_waves_kernel`` has the table).
-  * sample [1, 128256]: one launch (grid barrier) over 513 KB plus a sort of the candidates (a 128
-    block when <= 128, else 512) in one program: 8.3 us measured (10.2 with the 512 sort), against
-    6.7 us with temperature alone; bench/sampling_stages_probe.py times each stage. Top-p alone adds
-    a second barrier per round of the nucleus search (one round on these rows): 16.4 us measured;
-    bench/nucleus_probe.py times it on peaked to flat rows against the bisection it replaced.
-  * sample [8, 128256]: one launch as well (16 programs of 8192 a row); bench/few_rows_sample_probe.py
-    times 2-16 rows against the two launches.
+    last): 107.6 us measured. The persistent one-launch kernel (per-row barriers, x read once):
+    78.7-79.6 us, ~80% of copy bandwidth (``wave_sweep`` times its shapes; ember/kernels/sampling/
+    softmax_kernels.py ``_softmax_waves_kernel`` has the table).
+  * sample [1, 128256]: one launch (grid barrier) over 513 KB plus a sort of the candidates (a 64 or
+    128 block when they fit, else 512) in one program; temperature alone races without the barrier.
+    Top-p alone adds a barrier per round of the nucleus search (bench/results/h200/nucleus_probe.json
+    has peaked to flat rows).
+  * sample [8, 128256]: one launch as well (16 programs of 8192 a row); more rows with top-p alone
+    walk them in waves in one persistent launch (many_rows_sample_probe.json).
 """
 from __future__ import annotations
 
 import torch
 
 import ember
-from ember.bench import BenchContext, Row, _timing, env_vars
+from ember import tuning
+from ember.bench import BenchContext, Row, _timing
 
 COPY_BW_GBPS = 4155.0
 VOCAB = 128256
@@ -144,7 +144,8 @@ def run(ctx: BenchContext) -> list[Row]:
 
 
 def sweep(path: str | None = None) -> dict:
-    """Graph-timed [1, 128256] fp32 softmax / argmax / sample per EMBER_SAMPLING_MIN_CHUNK (on the GPU)."""
+    """Graph-timed [1, 128256] fp32 softmax / argmax / sample per split chunk floor (tuning key
+    ``split``; on the GPU)."""
     import json
     dev = torch.device("cuda")
     xs = [torch.randn(1, 128256, device=dev) * 3 for _ in range(8)]
@@ -152,7 +153,7 @@ def sweep(path: str | None = None) -> dict:
            "sample_k50_p0.9": lambda x: ember.ops.sample(x, temperature=0.7, top_k=50, top_p=0.9, seed=1, check=False)}
     results = {}
     for chunk in (1024, 2048, 4096, 8192):
-        with env_vars({"EMBER_SAMPLING_MIN_CHUNK": str(chunk)}):
+        with tuning.override("sampling", {"split": {"min_chunk": chunk}}):
             results[chunk] = {name: _timing.graph_time_us([lambda x=x, f=f: f(x) for x in xs]) for name, f in ops.items()}
         print(chunk, {k: round(v, 2) for k, v in results[chunk].items()}, flush=True)
     if path:
@@ -161,27 +162,28 @@ def sweep(path: str | None = None) -> dict:
     return results
 
 
-# The default first. Measured before (kernel docstring): 16384,16,1,0/1 and 8192,16,1,1 lose (one
-# program per SM). New: 24 rows in flight per wave instead of 16 (8192,8,3,1 and 4096,4,6,1, an
-# 80-register cap), and 8 small programs per SM (2048,4,8,1, 64 registers). Local sm_90 compile
-# (triton 3.6's ptxas, cuobjdump): these three spill a 240-352 B stack frame per thread, the default
-# 32-104 B (the H200 reported 127 registers, 0 local bytes for it); the sweep measures what that costs.
-# Fifth field LAG (``_softmax_lagged_kernel``: the barrier 1 or 2 rows behind, the chunk re-read from
-# L2): sm_90 compile (triton 3.6) 63-126 registers, no spills; H200: 100.8-130.9 us, all slower than
-# the default's 95.4 (sampling_waves_lag_sweep.json).
-WAVE_CONFIGS = ("16384,16,1,2", "8192,8,2,2", "8192,8,2,1", "8192,8,2,3", "4096,4,4,2", "4096,4,4,1", "8192,8,2,0", "8192,8,3,1",
-                "4096,4,6,1", "2048,4,8,1",
-                "8192,8,2,0,1", "8192,8,2,0,2", "4096,8,2,0,2", "4096,8,3,0,2", "4096,4,4,0,2", "2048,4,8,0,2",
-                "16384,16,1,0,2")
+# "CHUNK,WARPS,PER_SM,PREFETCH" of the many-row softmax (tuning key ``softmax_waves``), the rule's
+# first. Measured before (kernel docstring): 16384,16,1,0/1 and 8192,16,1,1 lose (one program per
+# SM); 24 rows in flight per wave (8192,8,3,1, 4096,4,6,1: an 80-register cap) and 8 small programs
+# per SM (2048,4,8,1, 64 registers) spill and lose (sampling_waves_lag_sweep.json).
+WAVE_CONFIGS = ("16384,16,1,2", "8192,8,2,2", "8192,8,2,1", "8192,8,2,3", "4096,4,4,2", "4096,4,4,1", "8192,8,2,0",
+                "8192,8,3,1", "4096,4,6,1", "2048,4,8,1")
+
+
+def wave_entry(text: str) -> dict:
+    """A ``softmax_waves`` tuning entry from "CHUNK,WARPS,PER_SM,PREFETCH"."""
+    chunk, warps, per_sm, prefetch = (int(v) for v in text.split(","))
+    return {"chunk": chunk, "warps": warps, "per_sm": per_sm, "prefetch": prefetch}
 
 
 def wave_sweep(path: str | None = None, configs=WAVE_CONFIGS, shape=(256, VOCAB)) -> dict:
-    """Graph-timed fp32 softmax of ``shape`` per EMBER_SOFTMAX_WAVES config ("CHUNK,WARPS,PER_SM,PREFETCH"),
+    """Graph-timed fp32 softmax of ``shape`` per ``softmax_waves`` entry ("CHUNK,WARPS,PER_SM,PREFETCH"),
     with the two-launch path and torch.softmax timed in the same run (on the GPU)."""
     import json
 
     from ember import _dispatch
-    k = _dispatch.kernels("sampling")
+    _dispatch.prepare_triton()
+    from ember.kernels import sampling as k
     dev = torch.device("cuda")
     xs = [torch.randn(shape, device=dev) * 3 for _ in range(_timing.copies_to_exceed_l2(4 * shape[0] * shape[1]))]
     nbytes = 2 * 4 * shape[0] * shape[1]
@@ -192,17 +194,20 @@ def wave_sweep(path: str | None = None, configs=WAVE_CONFIGS, shape=(256, VOCAB)
         print(f"{name:>16}: {us:8.2f} us  {gbps:7.0f} GB/s  {gbps / COPY_BW_GBPS:5.1%} of copy{extra}", flush=True)
         return {"us": us, "GBps": gbps}
 
+    def two_launch(x):
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        k.softmax_two_launch(x, out, 1.0, False)
+        return out
+
     results = {}
-    with env_vars({"EMBER_SOFTMAX_ONE_LAUNCH": "0"}):
-        us = _timing.graph_time_us([lambda x=x: ember.ops.softmax(x) for x in xs])
-    results["two_launch"] = line("two launches", us)
+    results["two_launch"] = line("two launches", _timing.graph_time_us([lambda x=x: two_launch(x) for x in xs]))
     results["torch"] = line("torch.softmax", _timing.graph_time_us([lambda x=x: torch.softmax(x, -1) for x in xs]))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for text in configs:
         give_ups = k.barrier_give_ups(dev)
         try:
-            with env_vars({"EMBER_SOFTMAX_WAVES": text}):
-                cfg = k.wave_config()
+            with tuning.override("sampling", {"softmax_waves": wave_entry(text)}):
+                cfg = k.wave_config(dev)
                 P, _, R = k.wave_plan(shape[0], shape[1], sms, cfg)
                 out = torch.empty(shape, device=dev)
                 compiled = k.softmax_waves(xs[0], out, 1.0, False, cfg, P, R)

@@ -252,8 +252,10 @@ def _softmax_impl(x: torch.Tensor, dim: int, temperature: float | None, log: boo
     xm = x.movedim(dim, -1)
     out = torch.empty(xm.shape, dtype=torch.float32, device=x.device)
     if out.numel():
-        _dispatch.kernels("sampling").softmax(_checks.rows_2d(xm), out.view(-1, xm.shape[-1]),
-                                              1.0 if temperature is None else temperature, log)
+        _dispatch.prepare_triton()
+        from ember.kernels import sampling as kernels
+        kernels.softmax(_checks.rows_2d(xm), out.view(-1, xm.shape[-1]), 1.0 if temperature is None else temperature,
+                        log)
     return out.movedim(-1, dim)
 
 
@@ -263,7 +265,9 @@ def _argmax_impl(x: torch.Tensor, dim: int) -> torch.Tensor:
     xm = x.movedim(dim, -1)
     out = torch.empty(xm.shape[:-1], dtype=torch.int64, device=x.device)
     if out.numel():
-        _dispatch.kernels("sampling").argmax(_checks.rows_2d(xm), out.view(-1))
+        _dispatch.prepare_triton()
+        from ember.kernels import sampling as kernels
+        kernels.argmax(_checks.rows_2d(xm), out.view(-1))
     return out
 
 
@@ -277,7 +281,9 @@ def _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generat
         # a fresh seed from torch's generator, on the device: no host sync, and graph-safe (each
         # replay of a captured graph advances the generator's philox offset)
         seed = torch.randint(0, 1 << 62, (1,), device=logits.device, generator=generator)
-    _dispatch.kernels("sampling").sample(_checks.rows_2d(logits), out, temperature, top_k, top_p, min_p, seed, offset)
+    _dispatch.prepare_triton()
+    from ember.kernels import sampling as kernels
+    kernels.sample(_checks.rows_2d(logits), out, temperature, top_k, top_p, min_p, seed, offset)
     return out
 
 
@@ -330,7 +336,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, temperature: float | None = None)
     Rows up to 2^20 elements; long rows (> 16384) are split across many programs on the GPU in ONE
     launch that reads the input once: a grid barrier when all the rows' programs fit on the GPU at
     once, else persistent programs that walk the rows in waves with a barrier per row
-    (``EMBER_SOFTMAX_ONE_LAUNCH=0`` forces the two-launch path; ember/kernels/sampling.py). No value
+    (ember/kernels/sampling/). No value
     checks are needed: a program that ever stops waiting at a barrier recomputes its row, so the
     output stays exact.
 

@@ -1,5 +1,6 @@
 """The one-launch split-row paths: argmax (last program of the row), softmax of few rows (grid
-barrier) and softmax of many rows (persistent programs, per-row barriers).
+barrier), softmax of many rows (persistent programs, per-row barriers) and the one-launch sampler;
+the tiles they read from ``ember.tuning``.
 
 On CPU the interpreter runs the argmax kernel through the public op, and the softmax kernels directly
 with a tiny spin cap: programs run one after another there, so every program but the last of a row
@@ -7,13 +8,14 @@ gives up waiting and recomputes its row (the fallback), and the last one combine
 partials (the normal path). Memory ordering and co-residency only exist on the GPU: the gpu tests.
 """
 import math
+import sys
 
 import pytest
 import torch
 
 import ember
-from ember import _dispatch
-from ember.bench.sampling import WAVE_CONFIGS
+from ember import _dispatch, tuning
+from ember.bench.sampling import WAVE_CONFIGS, wave_entry
 from ember.ops import sampling as S
 from tests.helpers import poisoned
 
@@ -25,13 +27,26 @@ MANY_ROWS = [33, 256, 300]             # test_gpu_softmax_many_rows_vs_float64's
 MANY_V = [20000, 128256, 151936]
 
 
+H200 = tuning.DeviceInfo("NVIDIA H200", (9, 0))
+CPU = torch.device("cpu")
+
+
 def _k():
-    return _dispatch.kernels("sampling")
+    _dispatch.prepare_triton()
+    from ember.kernels import sampling
+    return sampling
+
+
+def _grid():
+    """The workspace's module (its buffers are module state)."""
+    _dispatch.prepare_triton()
+    from ember.kernels.sampling import _grid
+    return _grid
 
 
 def _assert_workspace_clean(ws):
-    cap = _k()._workspace_cap(ws)
-    assert ws.numel() == 2 + (2 + _k().NUCLEUS_ROUNDS) * cap
+    cap = _grid()._workspace_cap(ws)
+    assert ws.numel() == 2 + (2 + _grid().NUCLEUS_ROUNDS) * cap
     assert int(ws[0]) % GEN == 0                                # grid barrier counter between launches
     assert bool((ws[2:2 + cap] == 0).all())                     # arrival counters (argmax, sample)
     assert bool((ws[2 + cap:] % GEN == 0).all())                # row barriers (many-row softmax, nucleus rounds)
@@ -58,12 +73,32 @@ def test_argmax_split_ties_nan_signed_zero_interpreter(interpreter):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_split_repeated_calls_reset_workspace_interpreter(interpreter, dtype):
-    k = _k()
     for i in range(4):
         x = torch.round(torch.randn(3, 17000) * 2).to(dtype)   # many ties
         x[:, 100 * i] = 50.0 - i                              # the max moves to an earlier or later chunk
         assert torch.equal(ember.ops.argmax(x), torch.argmax(x, -1))
-        _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+        _assert_workspace_clean(_grid()._WORKSPACES[("cpu", None)])
+
+
+def test_argmax_split_chunk_floor_from_tuning_interpreter(interpreter):
+    """The split's chunk floor is the tuning entry ``split``: longer chunks (fewer programs a row)
+    give the same argmax, softmax and tokens (the candidate bound is taken over the same pieces only
+    at one floor, so the tokens are compared within a floor: two launches against one)."""
+    x = torch.randn(2, 20000) * 3
+    x[1, 19990] = 40.0
+    exp = torch.softmax(x.double(), -1)
+    for floor in (2048, 8192):
+        with tuning.override("sampling", {"split": {"min_chunk": floor}}):
+            assert _k().split(20000, _k().min_chunk(CPU))[0] == floor
+            assert torch.equal(ember.ops.argmax(x), torch.argmax(x, -1))
+            torch.testing.assert_close(ember.ops.softmax(x).double(), exp, **SOFTMAX_TOL)
+            two = poisoned((2,), torch.int64, "cpu")
+            _k().sample(x, two, 1.0, 0, 1.0, 0.1, 5, 3)
+            probs = S.sampling_probs_reference(x, 1.0, 0, 1.0, 0.1)
+            assert bool((probs[torch.arange(2), two] > 0).all())
+    for bad in ({"min_chunk": 512}, {"min_chunk": 3000}, {"chunk": 1024}, {"min_chunk": 32768}):
+        with tuning.override("sampling", {"split": bad}), pytest.raises(ValueError, match="sampling/split"):
+            _k().min_chunk(CPU)
 
 
 def test_argmax_row_kernel_nan_and_ties_interpreter(interpreter):
@@ -72,7 +107,7 @@ def test_argmax_row_kernel_nan_and_ties_interpreter(interpreter):
 
 
 def test_workspace_grows_and_keeps_outgrown_buffer_interpreter(interpreter, monkeypatch):
-    k = _k()
+    k = _grid()
     monkeypatch.setattr(k, "_WORKSPACES", {})
     monkeypatch.setattr(k, "_OUTGROWN", [])
     x = torch.randn(2, 17000)
@@ -93,7 +128,7 @@ def test_softmax_one_launch_kernel_interpreter(interpreter, dtype):
     P = math.ceil(V / chunk)
     base = (torch.randn(B, V + 40) * 4).to(dtype)
     x = base[:, 20:20 + V]                             # rows not contiguous with each other
-    barrier, _, _ = k._workspace(x.device, 0)
+    barrier, _, _ = _grid()._workspace(x.device, 0)
     start, give_ups = int(barrier[0]), int(barrier[1])
     for call, log in enumerate((False, True, False)):
         out = poisoned((B, V), torch.float32, "cpu")
@@ -106,8 +141,9 @@ def test_softmax_one_launch_kernel_interpreter(interpreter, dtype):
 
 
 def test_fit_split_chunks_grow_to_fit_the_sms():
-    fit = _k().fit_split
-    assert fit(1, 128256, 132) == (1024, 126, 128)     # _split's own chunks already fit
+    def fit(B, V, sms):
+        return _k().fit_split(B, V, sms, min_chunk=1024)
+    assert fit(1, 128256, 132) == (1024, 126, 128)     # split's own chunks already fit
     assert fit(4, 128256, 132) == (4096, 32, 32)       # 4 x 32 programs
     assert fit(4, 248320, 132) == (8192, 31, 32)
     assert fit(6, 20000, 132) == (1024, 20, 32)
@@ -118,32 +154,36 @@ def test_fit_split_chunks_grow_to_fit_the_sms():
         assert B * P <= 132 and P * chunk >= V and (P - 1) * chunk < V and PB >= P
 
 
-def test_one_launch_never_on_cpu_and_env_switch(interpreter, monkeypatch):
-    k = _k()
-    assert k._one_launch_split(torch.randn(1, 20000)) is None
-    assert not k._one_launch_enabled(torch.randn(300, 20000))
-    monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
-    assert k._one_launch_split(torch.randn(1, 20000)) is None
+def test_one_launch_never_on_cpu(interpreter, monkeypatch):
+    """Programs run one after another in the interpreter: no barrier kernel is chosen for CPU
+    tensors (the tests below launch them directly, with a tiny spin cap)."""
+    from ember.kernels.sampling import softmax_kernels
+    assert softmax_kernels._one_launch_split(torch.randn(1, 20000)) is None
+    sample_calls = _count_wave_launches(monkeypatch, _k(), "sample_one_launch")
+    grid_calls = _count_wave_launches(monkeypatch, _k(), "softmax_one_launch")
+    x = torch.randn(1, 20000)
+    ember.ops.softmax(x)
+    ember.ops.sample(x, temperature=0.7, top_k=5, seed=1)
+    assert sample_calls == [] and grid_calls == []
 
 
 # ------------------------------------------------------------------ many-row softmax (waves), CPU
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("prefetch,lag,hinted", [(0, 0, True), (1, 0, True), (1, 0, False), (0, 1, False),
-                                                 (0, 2, False)])
-def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch, lag, hinted):
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_softmax_waves_kernel_interpreter(interpreter, dtype, prefetch):
     k = _k()
     B, V, P, R = 5, 4500, 5, 2      # chunks of 1024 (the last holds 404); rows 0, 2, 4 | 1, 3: a short last wave
-    cfg = k.WaveConfig(1024, 4, 1, prefetch, lag)   # lag > 0: _softmax_lagged_kernel
+    cfg = k.WaveConfig(1024, 4, 1, prefetch)
     base = (torch.randn(B, V + 24) * 4).to(dtype)
     x = base[:, 8:8 + V]                               # rows not contiguous with each other
     x[3, 4400:] = -math.inf                            # -inf tail inside the partial chunk
     x[4, 1024:2048] = -math.inf                        # a chunk that is -inf throughout
-    barrier, _, row_bars = k._workspace(x.device, B)
+    barrier, _, row_bars = _grid()._workspace(x.device, B)
     row_bar = row_bars[0]
     start, give_ups = row_bar.clone(), int(barrier[1])
     for call, (log, T) in enumerate(((False, 0.7), (True, 1.0), (False, 1.3))):
         out = poisoned((B, V), torch.float32, "cpu")
-        k.softmax_waves(x, out, T, log, cfg, P, R, spin_cap=2, hinted=hinted)
+        k.softmax_waves(x, out, T, log, cfg, P, R, spin_cap=2)
         exp = (torch.log_softmax if log else torch.softmax)(x.double() / T, -1)
         torch.testing.assert_close(out.double(), exp, **(LOG_SOFTMAX_TOL if log else SOFTMAX_TOL))
         # each launch adds exactly one generation per row; in each row all programs but the last
@@ -162,7 +202,7 @@ def test_softmax_waves_tags_from_earlier_launches_never_accepted_interpreter(int
     B, V = 6, 5000
     x = torch.randn(B, V) * 3
     exp = torch.softmax(x.double(), -1)
-    barrier, _, row_bars = k._workspace(x.device, B)
+    barrier, _, row_bars = _grid()._workspace(x.device, B)
     for chunk in (1024, 2048, 1024, 4096, 1024):
         P = -(-V // chunk)
         give_ups = int(barrier[1])
@@ -171,7 +211,7 @@ def test_softmax_waves_tags_from_earlier_launches_never_accepted_interpreter(int
         k.softmax_waves(x, out, 1.0, False, k.WaveConfig(chunk, 4, 1, 1), P, 3, spin_cap=2)
         torch.testing.assert_close(out.double(), exp, **SOFTMAX_TOL)
         assert int(barrier[1]) - give_ups == B * (P - 1)
-        slots = k._SLOTS[("row", "cpu", None)][1][:B, :2 * P]
+        slots = _grid()._SLOTS[("row", "cpu", None)][1][:B, :2 * P]
         assert torch.equal(slots >> 32, (gen // GEN + 1)[:, None].expand(B, 2 * P))   # this launch's tags
 
 
@@ -182,14 +222,14 @@ def test_tags_skip_zero_when_the_generation_wraps_interpreter(interpreter, monke
     tagged top-k sampler (grid counter) and the many-row softmax (row counters) stay exact and write
     tag 1. (Here programs run in turn and give up at the counter first, which recomputes the row
     whatever the words say: so the tags themselves are checked.)"""
-    k = _k()
-    monkeypatch.setattr(k, "_WORKSPACES", {})
-    monkeypatch.setattr(k, "_SLOTS", {})
+    k, g = _k(), _grid()
+    monkeypatch.setattr(g, "_WORKSPACES", {})
+    monkeypatch.setattr(g, "_SLOTS", {})
     wrap = (2 ** 31 - 1) * GEN
     x = torch.randn(2, 20000) * 3                       # 20 programs a row
     two = poisoned((2,), torch.int64, "cpu")
     k.sample(x, two, 0.7, 10, 0.9, 0.0, 5, 3)
-    barrier, _, row_bars = k._workspace(x.device, 2)
+    barrier, _, row_bars = g._workspace(x.device, 2)
     barrier[0] = wrap
     give_ups = int(barrier[1])
     one = poisoned((2,), torch.int64, "cpu")
@@ -197,18 +237,18 @@ def test_tags_skip_zero_when_the_generation_wraps_interpreter(interpreter, monke
     assert torch.equal(one, two)
     assert int(barrier[1]) - give_ups == 2 * 20 - 1
     assert int(barrier[0]) == wrap + GEN
-    assert bool((k._SLOTS[("grid", "cpu", None)][1][:2, :20] >> 32 == 1).all())    # the maxima: wrapped to 1
+    assert bool((g._SLOTS[("grid", "cpu", None)][1][:2, :20] >> 32 == 1).all())    # the maxima: wrapped to 1
     B, V, chunk = 4, 5000, 1024
     P = -(-V // chunk)
     xs = torch.randn(B, V) * 3
-    barrier, _, row_bars = k._workspace(xs.device, B)
+    barrier, _, row_bars = g._workspace(xs.device, B)
     row_bars[0][:B] = wrap
     give_ups = int(barrier[1])
     out = poisoned((B, V), torch.float32, "cpu")
     k.softmax_waves(xs, out, 1.0, False, k.WaveConfig(chunk, 4, 1, 1), P, 2, spin_cap=2)
     torch.testing.assert_close(out.double(), torch.softmax(xs.double(), -1), **SOFTMAX_TOL)
     assert int(barrier[1]) - give_ups == B * (P - 1)
-    assert bool((k._SLOTS[("row", "cpu", None)][1][:B, :2 * P] >> 32 == 1).all())   # wrapped to 1, not 0
+    assert bool((g._SLOTS[("row", "cpu", None)][1][:B, :2 * P] >> 32 == 1).all())   # wrapped to 1, not 0
 
 
 @pytest.mark.parametrize("kind, words", [("row", 2 * 128), ("grid", 128 + 2 * 512)])
@@ -216,7 +256,7 @@ def test_tagged_slots_follow_the_workspace(interpreter, kind, words):
     """Tags are counter generations: a new workspace (counters at 0) must come with new, zeroed
     slots, or a word written under the old counters could carry the tag a new launch looks for.
     Each kind has its own slots (their tags come from different counters)."""
-    k = _k()
+    k = _grid()
     ws = k._workspace_buffer(torch.device("cpu"), 8)
     slots = k._tagged_slots(ws, 8, kind)
     assert k._tagged_slots(ws, 4, kind) is slots and k._tagged_slots(ws, 8, kind) is slots
@@ -257,79 +297,136 @@ def test_wave_plan_balanced_waves_within_the_slots():
                     assert (waves - 1) * R < B and B <= waves * R          # no empty wave
 
 
-def test_sample_warps_default_and_env(monkeypatch):
+def test_sample_warps_from_tuning():
+    """The one-launch sampler's warps: the entry of its base chunk (``topk`` at that chunk when top-k
+    may be on, ``other`` otherwise and at grown chunks); other base chunks keep the rule; a bad entry
+    is an error naming it."""
     k = _k()
-    monkeypatch.delenv("EMBER_SAMPLE_WARPS", raising=False)
-    # top-k on keeps 4 warps at the base chunk; otherwise (and at grown chunks) 8
-    assert (k._sample_warps(1024, 1, True), k._sample_warps(1024, 8, True)) == (4, 8)
-    assert (k._sample_warps(1024, 1, False), k._sample_warps(1024, 8, False)) == (8, 8)
-    monkeypatch.setenv("EMBER_SAMPLE_WARPS", "2")
-    assert k._sample_warps(1024, 1, False) == 2
-    for bad in ("3", "0", "eight"):
-        monkeypatch.setenv("EMBER_SAMPLE_WARPS", bad)
-        with pytest.raises(ValueError, match="EMBER_SAMPLE_WARPS: expected 1, 2, 4, 8 or 16, got '" + bad):
-            k._sample_warps(1024, 1, True)
+    rule = [k.sample_warps(CPU, base, sub, topk) for base in (1024, 2048) for sub in (1, 8) for topk in (True, False)]
+    assert all(w in (1, 2, 4, 8, 16, 32) for w in rule)
+    with tuning.override("sampling", {"sample_warps:1024": {"topk": 2, "other": 16}}):
+        assert k.sample_warps(CPU, 1024, 1, True) == 2
+        assert k.sample_warps(CPU, 1024, 1, False) == k.sample_warps(CPU, 1024, 8, True) == 16
+        assert [k.sample_warps(CPU, 2048, sub, topk) for sub in (1, 8) for topk in (True, False)] == rule[4:]
+    for bad in ({"topk": 3, "other": 8}, {"other": 8}, {"topk": 4, "other": 64}):
+        with tuning.override("sampling", {"sample_warps:1024": bad}), \
+                pytest.raises(ValueError, match="sampling/sample_warps:1024"):
+            k.sample_warps(CPU, 1024, 1, True)
 
 
-def test_wave_config_env_and_register_cap(monkeypatch):
+def test_sample_warps_entry_is_what_the_launch_takes_interpreter(interpreter, monkeypatch):
+    """The launch reads the warps entry when it runs (so a graph captured inside an override keeps
+    it): a traced launch gets the entry's count, and the tokens do not change with it."""
+    from ember.kernels.sampling import sampler
+    kernel = sampler._sample_one_launch_kernel
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = kernel[grid]
+
+            def run(*a, **kw):
+                seen.append(kw["num_warps"])
+                return launch(*a, **kw)
+            return run
+    monkeypatch.setattr(sampler, "_sample_one_launch_kernel", Spy())
+    x = torch.randn(1, 20000) * 3
+    toks = []
+    for warps in (2, 8):
+        with tuning.override("sampling", {"sample_warps:1024": {"topk": warps, "other": warps}}):
+            out = poisoned((1,), torch.int64, "cpu")
+            _k().sample_one_launch(x, out, 0.7, 10, 0.9, 0.0, 5, 3, spin_cap=2)
+            toks.append(out)
+    assert seen == [2, 8] and torch.equal(toks[0], toks[1])
+
+
+def test_wave_config_from_tuning_and_register_cap():
     k = _k()
-    monkeypatch.delenv("EMBER_SOFTMAX_WAVES", raising=False)
-    assert k.wave_config() == k.WAVES_DEFAULT
-    monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "8192,8,2,1")
-    assert k.wave_config() == k.WaveConfig(8192, 8, 2, 1)
+    assert k.wave_config(CPU) == k.WAVES_DEFAULT                    # no entry on CPU: the rule
+    with tuning.override("sampling", {"softmax_waves": wave_entry("8192,8,2,1")}):
+        assert k.wave_config(CPU) == k.WaveConfig(8192, 8, 2, 1)
     assert k.WaveConfig(8192, 8, 2, 1).max_registers() == 128     # 2 x 256 threads x 128 = 64K
     assert k.WaveConfig(16384, 16, 2, 0).max_registers() == 64
     assert k.WaveConfig(4096, 4, 1, 0).max_registers() == 255      # the ISA's limit
-    monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "8192,8,2,0,2")
-    assert k.wave_config() == (8192, 8, 2, 0, 2) and k.wave_config().lag == 2
-    for bad in ("8192,8,2", "3000,8,1,1", "512,4,1,0", "32768,16,1,1", "8192,6,1,1", "8192,16,8,1",
-                "8192,8,0,1", "8192,8,1,9", "8192,8,2,1,1", "8192,8,2,0,3", "8192,8,2,0,1,1", "fast"):
-        monkeypatch.setenv("EMBER_SOFTMAX_WAVES", bad)
-        with pytest.raises(ValueError, match="EMBER_SOFTMAX_WAVES.*" + bad):
-            k.wave_config()
+    for bad in ("3000,8,1,1", "512,4,1,0", "32768,16,1,1", "8192,6,1,1", "8192,16,8,1", "8192,8,0,1", "8192,8,1,9"):
+        with tuning.override("sampling", {"softmax_waves": wave_entry(bad)}), \
+                pytest.raises(ValueError, match="sampling/softmax_waves"):
+            k.wave_config(CPU)
+    with tuning.override("sampling", {"softmax_waves": {"chunk": 8192, "warps": 8, "per_sm": 2}}), \
+            pytest.raises(ValueError, match="sampling/softmax_waves"):
+        k.wave_config(CPU)
 
 
-def test_softmax_path_by_shape(monkeypatch):
+def test_softmax_path_by_shape():
     k = _k()
-    monkeypatch.delenv("EMBER_SOFTMAX_WAVES", raising=False)
-    assert k.softmax_path(300, 16384, 132, True) == ("row",)
-    assert k.softmax_path(4, 128256, 132, True) == ("grid", 4096, 32)
-    assert k.softmax_path(16, 128256, 132, True) == ("grid", 16384, 8)      # 128 programs
-    assert k.WAVES_DEFAULT == k.WaveConfig(16384, 16, 1, 2)               # the measured best
-    assert k.softmax_path(17, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 8, 9)   # 2 waves
-    assert k.softmax_path(256, 128256, 132, True) == ("waves", k.WAVES_DEFAULT, 8, 16)
-    assert k.softmax_path(256, 128256, 132, False) == ("two",)              # EMBER_SOFTMAX_ONE_LAUNCH=0
-    assert k.softmax_path(1, 1 << 20, 32, True) == ("two",)                  # a row needs 128 programs
-    monkeypatch.setenv("EMBER_SOFTMAX_WAVES", "16384,16,1,0")
-    assert k.softmax_path(256, 128256, 132, True) == ("waves", k.WaveConfig(16384, 16, 1, 0), 8, 16)
+    big = k.WaveConfig(16384, 16, 1, 2)
+
+    def path(B, V, sms, one_launch=True, cfg=big):
+        return k.softmax_path(B, V, sms, one_launch, cfg, min_chunk=1024)
+    assert path(300, 16384, 132) == ("row",)
+    assert path(4, 128256, 132) == ("grid", 4096, 32)
+    assert path(16, 128256, 132) == ("grid", 16384, 8)      # 128 programs
+    assert path(17, 128256, 132) == ("waves", big, 8, 9)    # 2 waves
+    assert path(256, 128256, 132) == ("waves", big, 8, 16)
+    assert path(256, 128256, 132, one_launch=False) == ("two",)   # no GPU
+    assert path(1, 1 << 20, 32) == ("two",)                  # a row needs 128 programs
+    assert path(256, 128256, 132, cfg=k.WaveConfig(16384, 16, 1, 0)) == ("waves", k.WaveConfig(16384, 16, 1, 0), 8, 16)
 
 
-def test_many_rows_gpu_matrix_paths_on_h200(monkeypatch):
-    """test_gpu_softmax_many_rows_vs_float64's shapes on the H200's 132 SMs: 8 of 9 take the waves
-    kernel; [33, 20000] is 33 rows x 2 programs <= 132, so the grid-barrier kernel (also checked there)."""
+def test_h200_tuning_entries_are_read_as_shipped():
+    """The H200's shipped entries parse through the kernels' readers and are what they return for
+    that GPU (a measured file a reader rejects would fail only on the GPU); ``EMBER_TUNING=generic``
+    gives the rule."""
+    import json
+    from pathlib import Path
+    from ember import _switches
     k = _k()
-    monkeypatch.delenv("EMBER_SOFTMAX_WAVES", raising=False)
-    paths = {(B, V): k.softmax_path(B, V, 132, True)[0] for B in MANY_ROWS for V in MANY_V}
+    entries = json.loads((Path(tuning.__file__).parent / "data" / "sm_90-nvidia-h200" / "sampling.json").read_text())
+    assert k.min_chunk(H200) == entries["split"]["min_chunk"]
+    assert k.small_sort(H200) == entries["small_sort"]["block"]
+    assert k.wave_config(H200) == k.WaveConfig(**entries["softmax_waves"])
+    for key, entry in entries.items():
+        if key.startswith("sample_warps:"):
+            base = int(key.split(":")[1])
+            assert (k.sample_warps(H200, base, 1, True), k.sample_warps(H200, base, 1, False)) == \
+                (entry["topk"], entry["other"])
+    with _switches.override(EMBER_TUNING="generic"):
+        assert (k.min_chunk(H200), k.small_sort(H200), k.wave_config(H200)) == \
+            (k.min_chunk(CPU), k.small_sort(CPU), k.wave_config(CPU))
+
+
+def test_many_rows_gpu_matrix_paths_on_h200():
+    """test_gpu_softmax_many_rows_vs_float64's shapes on the H200's 132 SMs with its tiles: 8 of 9
+    take the waves kernel; [33, 20000] fits the grid-barrier kernel (also checked there)."""
+    k = _k()
+    paths = {(B, V): k.softmax_path(B, V, 132, True, k.wave_config(H200), k.min_chunk(H200))[0]
+             for B in MANY_ROWS for V in MANY_V}
     assert paths.pop((33, 20000)) == "grid"
     assert set(paths.values()) == {"waves"}
 
 
 # ------------------------------------------------------------------ GPU
-def _two_launch(monkeypatch, fn, *a, **kw):
-    with monkeypatch.context() as m:
-        m.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
-        return fn(*a, **kw)
+def _softmax_two_launch(x, temperature, log):
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _k().softmax_two_launch(x, out, temperature or 1.0, log)
+    return out
+
+
+def _sample_two_launch(x, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, offset=None):
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    _k().sample_two_launch(x, out, temperature, top_k, top_p, min_p, seed, offset)
+    return out
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("V", [128256, 151936, 248320, 20000])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_gpu_softmax_one_launch_vs_float64_and_two_launch(cuda, monkeypatch, dtype, V, rows):
-    k = _k()
+def test_gpu_softmax_one_launch_vs_float64_and_two_launch(cuda, dtype, V, rows):
+    from ember.kernels.sampling import softmax_kernels
     base = (torch.randn(rows, V + 64, device=cuda) * 4).to(dtype)
     for x in (base[:, :V].contiguous(), base[:, 32:32 + V]):      # contiguous and strided rows
-        assert k._one_launch_split(x) is not None
+        assert softmax_kernels._one_launch_split(x) is not None
         for T in (None, 0.7):
             for log in (False, True):
                 fn = ember.ops.log_softmax if log else ember.ops.softmax
@@ -337,9 +434,9 @@ def test_gpu_softmax_one_launch_vs_float64_and_two_launch(cuda, monkeypatch, dty
                 exp = (torch.log_softmax if log else torch.softmax)(x.double() / (T or 1.0), -1)
                 tol = LOG_SOFTMAX_TOL if log else SOFTMAX_TOL
                 torch.testing.assert_close(got.double(), exp, **tol)
-                two = _two_launch(monkeypatch, fn, x, temperature=T)
+                two = _softmax_two_launch(x, T, log)
                 torch.testing.assert_close(got, two, atol=tol["atol"], rtol=tol["rtol"])
-    assert k.barrier_give_ups(base.device) == 0
+    assert _k().barrier_give_ups(base.device) == 0
 
 
 @pytest.mark.gpu
@@ -362,7 +459,7 @@ def test_gpu_softmax_one_launch_1000_calls_and_graph_replays(cuda):
             torch.testing.assert_close(outs[0].double(), torch.softmax(static[0].double() / 0.7, -1), **SOFTMAX_TOL)
             torch.testing.assert_close(outs[1].double(), torch.log_softmax(static[1].double(), -1), **LOG_SOFTMAX_TOL)
     torch.cuda.synchronize()
-    ws = k._WORKSPACES[("cuda", x.device.index)]
+    ws = _grid()._WORKSPACES[("cuda", x.device.index)]
     assert int(ws[0]) % (1 << 20) == 0 and k.barrier_give_ups(x.device) == 0
 
 
@@ -382,7 +479,6 @@ def test_gpu_argmax_split_matches_torch_with_ties(cuda, dtype, V, rows):
 
 @pytest.mark.gpu
 def test_gpu_argmax_graph_replays_reset_workspace(cuda):
-    k = _k()
     static = torch.randn(4, 128256, device=cuda)
     ember.ops.argmax(static)                           # warm-up: compile and workspace outside capture
     g = torch.cuda.CUDAGraph()
@@ -397,13 +493,13 @@ def test_gpu_argmax_graph_replays_reset_workspace(cuda):
         if i % 50 == 0 or i == 999:
             assert torch.equal(out, torch.argmax(static, -1)), i
     torch.cuda.synchronize()
-    _assert_workspace_clean(k._WORKSPACES[("cuda", static.device.index)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cuda", static.device.index)])
 
 
 @pytest.mark.gpu
 def test_gpu_workspace_first_needed_during_capture(cuda, monkeypatch):
     """A workspace first needed inside capture is a temporary with captured fills, not cached."""
-    k = _k()
+    k = _grid()
     a = torch.randn(8, 151936, device=cuda)
     ember.ops.argmax(a[:1]), ember.ops.softmax(a[:1])  # compile outside capture
     monkeypatch.setattr(k, "_WORKSPACES", {})
@@ -419,18 +515,20 @@ def test_gpu_workspace_first_needed_during_capture(cuda, monkeypatch):
         assert torch.equal(am, torch.argmax(a, -1))
         torch.testing.assert_close(sm.double(), torch.softmax(a[:1].double(), -1), **SOFTMAX_TOL)
     assert torch.equal(ember.ops.argmax(a), torch.argmax(a, -1))   # eager: a fresh cached workspace
-    _assert_workspace_clean(k._WORKSPACES[("cuda", a.device.index)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cuda", a.device.index)])
 
 
 # ------------------------------------------------------------------ many-row softmax (waves), GPU
 def _count_wave_launches(monkeypatch, k, name="softmax_waves"):
+    """Count the launches of ``name`` by the dispatching function (``softmax`` / ``sample``), which
+    calls it in the module that defines it."""
     calls = []
     real = getattr(k, name)
 
     def spy(*a, **kw):
         calls.append(a[0].shape)
         return real(*a, **kw)
-    monkeypatch.setattr(k, name, spy)
+    monkeypatch.setattr(sys.modules[real.__module__], name, spy)
     return calls
 
 
@@ -442,7 +540,9 @@ def test_gpu_softmax_many_rows_vs_float64(cuda, monkeypatch, dtype, V, rows):
     k = _k()
     calls = _count_wave_launches(monkeypatch, k)
     grid_calls = _count_wave_launches(monkeypatch, k, "softmax_one_launch")
-    path = k.softmax_path(rows, V, k._device_sms(torch.empty(0, device=cuda)), True)[0]
+    dev = torch.device(cuda)
+    path = k.softmax_path(rows, V, _grid()._device_sms(torch.empty(0, device=cuda)), True, k.wave_config(dev),
+                          k.min_chunk(dev))[0]
     assert path in ("waves", "grid")   # on the H200 [33, 20000] fits the grid barrier, the rest waves
     base = (torch.randn(rows, V + 64, device=cuda) * 4).to(dtype)
     base[5, 7:V:3] = -math.inf                         # -inf entries (masked out by exp)
@@ -460,13 +560,13 @@ def test_gpu_softmax_many_rows_vs_float64(cuda, monkeypatch, dtype, V, rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", WAVE_CONFIGS)
 def test_gpu_softmax_waves_configs(cuda, monkeypatch, config):
-    """Every EMBER_SOFTMAX_WAVES shape the sweep times is exact (and the path is taken)."""
+    """Every ``softmax_waves`` shape the sweep times is exact (and the path is taken)."""
     k = _k()
-    monkeypatch.setenv("EMBER_SOFTMAX_WAVES", config)
     calls = _count_wave_launches(monkeypatch, k)
     x = (torch.randn(300, 151936 + 40, device=cuda) * 4)[:, 8:8 + 151936]
     for log in (False, True):
-        got = (ember.ops.log_softmax if log else ember.ops.softmax)(x, temperature=0.9)
+        with tuning.override("sampling", {"softmax_waves": wave_entry(config)}):
+            got = (ember.ops.log_softmax if log else ember.ops.softmax)(x, temperature=0.9)
         exp = (torch.log_softmax if log else torch.softmax)(x.double() / 0.9, -1)
         torch.testing.assert_close(got.double(), exp, **(LOG_SOFTMAX_TOL if log else SOFTMAX_TOL))
     assert len(calls) == 2 and k.barrier_give_ups(x.device) == 0
@@ -480,12 +580,13 @@ def test_gpu_softmax_waves_l2_prefetch_alignment(cuda, monkeypatch, offset):
     k = _k()
     base = torch.randn(40, 128256 + 16, device=cuda) * 4
     x = base[:, offset:offset + 128256]
-    assert k._bulk_ok(x) == (offset % 4 == 0)
+    from ember.kernels.sampling import softmax_kernels
+    assert softmax_kernels._bulk_ok(x) == (offset % 4 == 0)
     calls = _count_wave_launches(monkeypatch, k)
     outs = []
     for config in ("8192,8,2,1", "8192,8,2,2", "4096,4,4,2"):
-        monkeypatch.setenv("EMBER_SOFTMAX_WAVES", config)
-        outs.append(ember.ops.softmax(x))
+        with tuning.override("sampling", {"softmax_waves": wave_entry(config)}):
+            outs.append(ember.ops.softmax(x))
     assert len(calls) == 3
     torch.testing.assert_close(outs[1].double(), torch.softmax(x.double(), -1), **SOFTMAX_TOL)
     assert torch.equal(outs[0], outs[1])
@@ -522,19 +623,17 @@ def test_gpu_softmax_waves_repeated_calls_graph_replays_bitwise(cuda, monkeypatc
             torch.testing.assert_close(outs[1].double(), torch.log_softmax(static[1].double(), -1), **LOG_SOFTMAX_TOL)
     torch.cuda.synchronize()
     assert len(calls) == 200 + 2 * (1 + 1 + 5)        # eager, warm-up, capture, the eager comparisons
-    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cuda", x.device.index)])
     assert k.barrier_give_ups(x.device) == 0
 
 
 @pytest.mark.gpu
-def test_gpu_softmax_waves_env_switch_two_launch(cuda, monkeypatch):
+def test_gpu_softmax_waves_equals_two_launch(cuda, monkeypatch):
     k = _k()
     calls = _count_wave_launches(monkeypatch, k)
     x = torch.randn(64, 128256, device=cuda) * 3
-    monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
-    two = ember.ops.softmax(x)
+    two = _softmax_two_launch(x, None, False)
     assert calls == []
-    monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
     one = ember.ops.softmax(x)
     assert len(calls) == 1
     torch.testing.assert_close(one, two, **SOFTMAX_TOL)
@@ -564,7 +663,7 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
     x[1, :19000] = -math.inf                          # most of a row masked
     two = poisoned((2,), torch.int64, "cpu")
     k.sample(x, two, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 3)
-    barrier, count, _ = k._workspace(x.device, 2)
+    barrier, count, _ = _grid()._workspace(x.device, 2)
     give_ups = int(barrier[1])
     one = poisoned((2,), torch.int64, "cpu")
     k.sample_one_launch(x, one, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 3, spin_cap=2)
@@ -577,17 +676,15 @@ def test_sample_one_launch_kernel_equals_two_launches_interpreter(interpreter, m
     nucleus = mix["top_k"] == 0 and 0 < mix["temperature"] and mix["top_p"] < 1.0
     assert (extra > 0 and extra % 19 == 0) if nucleus else extra == 0, extra
     assert int(barrier[0]) % GEN == 0
-    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cpu", None)])
 
 
 @pytest.mark.parametrize("top_k", [10, 50])   # 50 > the 20 pieces: no bound, the finisher's exact fallback
-def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, monkeypatch, top_k):
-    """EMBER_SAMPLE_OFFSET_BY_FINISHER=1 (default; one row, tagged top-k): the finisher reads the offset
-    tensor and advances it; the token is the two launches' for the same offset, which both advance
+def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, top_k):
+    """One row, tagged top-k: the finisher reads the offset tensor and advances it; the token is the two launches' for the same offset, which both advance
     once. (With the acquire scheme program (0, 0) advances it after the barrier; here, where the
     programs run in turn, the later ones then read the advanced value.)"""
     k = _k()
-    monkeypatch.setenv("EMBER_SAMPLE_OFFSET_BY_FINISHER", "1")
     x = torch.randn(1, 20000) * 3
     for start in (0, 41):
         offs = [torch.full((1,), start, dtype=torch.int64) for _ in range(2)]
@@ -597,18 +694,14 @@ def test_sample_topk_offset_advanced_by_the_finisher_interpreter(interpreter, mo
         k.sample_one_launch(x, one, 0.7, top_k, 0.9, 0.0, 5, offs[1], spin_cap=2)
         assert torch.equal(one, two), (start, one, two)
         assert [int(o) for o in offs] == [start + 1] * 2
-    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cpu", None)])
 
 
-@pytest.mark.parametrize("packed", ["1", "0"])
 @pytest.mark.parametrize("top_k,top_p,min_p", [(10, 0.9, 0.0), (15, 1.0, 0.05)])
-def test_sample_topk_packed_race_equals_two_launches_interpreter(interpreter, monkeypatch, top_k, top_p, min_p,
-                                                                 packed):
-    """The finisher's winner by one max over packed (key, column) words (default), or with
-    EMBER_SAMPLE_PACKED_RACE=0 by an argmax, a max and a gather, draws the two launches' tokens
-    (argmax, max and gather there), ties at the thresholds included."""
+def test_sample_topk_packed_race_equals_two_launches_interpreter(interpreter, top_k, top_p, min_p):
+    """The tagged finisher's winner by one max over packed (key, column) words draws the two launches'
+    tokens (an argmax, a max and a gather there), ties at the thresholds included."""
     k = _k()
-    monkeypatch.setenv("EMBER_SAMPLE_PACKED_RACE", packed)
     x = torch.randn(2, 20000) * 3
     x[1, ::5] = x[1, ::5].round()                     # integer logits on every 5th column: ties
     for off in range(3):
@@ -617,7 +710,7 @@ def test_sample_topk_packed_race_equals_two_launches_interpreter(interpreter, mo
         one = poisoned((2,), torch.int64, "cpu")
         k.sample_one_launch(x, one, 0.7, top_k, top_p, min_p, 5, off, spin_cap=2)
         assert torch.equal(one, two), (off, one, two)
-    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cpu", None)])
 
 
 @pytest.mark.parametrize("mix", [dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.0), SAMPLE_MIXES[1],
@@ -635,7 +728,7 @@ def test_sample_one_launch_bigger_chunks_equal_two_launches_interpreter(interpre
     k.sample_one_launch(x, one, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 3, spin_cap=2,
                         chunk=4096)
     assert torch.equal(one, two)
-    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cpu", None)])
     with pytest.raises(ValueError, match="chunk 3072"):
         k.sample_one_launch(x, one, 1.0, 0, 1.0, 0.0, 5, 3, chunk=3072)
 
@@ -662,59 +755,49 @@ def test_sample_waves_equal_two_launches_interpreter(interpreter, mix):
         k.sample_one_launch(x, one, 1.0, 0, 1.0, 0.0, 5, 3, rows_per_wave=0)
     probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
     assert bool((probs[torch.arange(5), one] > 0).all())
-    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cpu", None)])
 
 
 def test_wave_rows_plan():
-    k = _k()
-    assert k.wave_rows_plan(64, 128256, 132) == (8192, 8)     # 16 programs a row, 8 rows a wave
-    assert k.wave_rows_plan(5, 128256, 132) == (8192, 5)
-    assert k.wave_rows_plan(64, 1 << 20, 132) == (16384, 2)   # 64 programs a row
-    assert k.wave_rows_plan(64, 1 << 20, 32) is None
+    def plan(B, V, sms):
+        return _k().wave_rows_plan(B, V, sms, min_chunk=1024)
+    assert plan(64, 128256, 132) == (8192, 8)     # 16 programs a row, 8 rows a wave
+    assert plan(5, 128256, 132) == (8192, 5)
+    assert plan(64, 1 << 20, 132) == (16384, 2)   # 64 programs a row
+    assert plan(64, 1 << 20, 32) is None
 
 
-def test_temperature_alone_is_known_only_from_scalars(monkeypatch):
+def test_temperature_alone_is_known_only_from_scalars():
     k = _k()
-    monkeypatch.delenv("EMBER_SAMPLE_FREE_RACE", raising=False)
     V = 128256
-    assert k._temperature_alone(0.7, 0, 1.0, 0.0, V)
-    assert k._temperature_alone(1.0, V, 1.0, 0.0, V)                 # top-k >= V is off
-    assert not k._temperature_alone(0.0, 0, 1.0, 0.0, V)             # greedy
-    assert not k._temperature_alone(0.7, 50, 1.0, 0.0, V)
-    assert not k._temperature_alone(0.7, 0, 0.9, 0.0, V)
-    assert not k._temperature_alone(0.7, 0, 1.0, 0.05, V)
-    assert not k._temperature_alone(torch.full((2,), 0.7), 0, 1.0, 0.0, V)  # per-row: unknown on the host
-    monkeypatch.setenv("EMBER_SAMPLE_FREE_RACE", "0")
-    assert not k._temperature_alone(0.7, 0, 1.0, 0.0, V)
+    assert k.temperature_alone(0.7, 0, 1.0, 0.0, V)
+    assert k.temperature_alone(1.0, V, 1.0, 0.0, V)                 # top-k >= V is off
+    assert not k.temperature_alone(0.0, 0, 1.0, 0.0, V)             # greedy
+    assert not k.temperature_alone(0.7, 50, 1.0, 0.0, V)
+    assert not k.temperature_alone(0.7, 0, 0.9, 0.0, V)
+    assert not k.temperature_alone(0.7, 0, 1.0, 0.05, V)
+    assert not k.temperature_alone(torch.full((2,), 0.7), 0, 1.0, 0.0, V)  # per-row: unknown on the host
 
 
-def test_topk_tagged_is_known_only_from_scalars(monkeypatch):
+def test_topk_tagged_is_known_only_from_scalars():
     k = _k()
-    monkeypatch.delenv("EMBER_SAMPLE_TAGGED", raising=False)
     V = 128256
-    assert k._topk_tagged(0.7, 50, V) and k._topk_tagged(1.0, 1, V)
-    assert not k._topk_tagged(0.0, 50, V)                            # greedy
-    assert not k._topk_tagged(0.7, 0, V) and not k._topk_tagged(0.7, V, V)   # top-k off
-    assert not k._topk_tagged(torch.full((2,), 0.7), 50, V)          # per-row: unknown on the host
-    assert not k._topk_tagged(0.7, torch.full((2,), 50), V)
-    monkeypatch.setenv("EMBER_SAMPLE_TAGGED", "0")
-    assert not k._topk_tagged(0.7, 50, V)
+    assert k.topk_tagged(0.7, 50, V) and k.topk_tagged(1.0, 1, V)
+    assert not k.topk_tagged(0.0, 50, V)                            # greedy
+    assert not k.topk_tagged(0.7, 0, V) and not k.topk_tagged(0.7, V, V)   # top-k off
+    assert not k.topk_tagged(torch.full((2,), 0.7), 50, V)          # per-row: unknown on the host
+    assert not k.topk_tagged(0.7, torch.full((2,), 50), V)
 
 
-def test_waves_pay_unless_the_scalars_rule_out_top_p_alone(monkeypatch):
+def test_waves_pay_unless_the_scalars_rule_out_top_p_alone():
     k = _k()
-    monkeypatch.delenv("EMBER_SAMPLE_WAVES", raising=False)
     V = 128256
-    assert k._waves_pay(0.7, 0, 0.9, V)                    # top-p alone
-    assert k._waves_pay(0.7, V, 0.9, V)                    # top-k >= V is off: top-p alone
-    assert k._waves_pay(torch.ones(3), torch.zeros(3), torch.ones(3), V)  # per-row tensors: unknown
-    assert not k._waves_pay(0.7, 50, 0.9, V)               # every row has top-k: candidate lists
-    assert not k._waves_pay(0.0, 0, 0.9, V)                # greedy
-    assert not k._waves_pay(0.7, 0, 1.0, V)                # no top-p (min-p or nothing)
-    monkeypatch.setenv("EMBER_SAMPLE_WAVES", "1")
-    assert k._waves_pay(0.7, 50, 0.9, V)
-    monkeypatch.setenv("EMBER_SAMPLE_WAVES", "0")
-    assert not k._waves_pay(0.7, 0, 0.9, V)
+    assert k.waves_pay(0.7, 0, 0.9, V)                    # top-p alone
+    assert k.waves_pay(0.7, V, 0.9, V)                    # top-k >= V is off: top-p alone
+    assert k.waves_pay(torch.ones(3), torch.zeros(3), torch.ones(3), V)  # per-row tensors: unknown
+    assert not k.waves_pay(0.7, 50, 0.9, V)               # every row has top-k: candidate lists
+    assert not k.waves_pay(0.0, 0, 0.9, V)                # greedy
+    assert not k.waves_pay(0.7, 0, 1.0, V)                # no top-p (min-p or nothing)
 
 
 def _nucleus_rows():
@@ -746,7 +829,7 @@ def test_sample_one_launch_nucleus_search_equals_two_launches_interpreter(interp
         assert torch.equal(one, two), (offset, one, two)
         probs = S.sampling_probs_reference(x, 1.0, 0, top_p, 0.0)
         assert bool((probs[torch.arange(3), one] > 0).all())
-    _assert_workspace_clean(k._WORKSPACES[("cpu", None)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cpu", None)])
 
 
 @pytest.mark.gpu
@@ -765,54 +848,60 @@ def test_gpu_sample_one_launch_equals_two_launches(cuda, monkeypatch, mix, V):
         off_a = torch.full((1,), i, dtype=torch.int64, device=cuda)
         off_b = off_a.clone()
         one = ember.ops.sample(x, **mix, seed=seed, offset=off_a)
-        monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
-        two = ember.ops.sample(x, **mix, seed=seed, offset=off_b)
-        monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
+        two = _sample_two_launch(x, **mix, seed=seed, offset=off_b)
         assert torch.equal(one, two), (i, one, two)
         assert off_a.item() == off_b.item() == i + 1
     assert len(calls) == 40
     torch.cuda.synchronize()
-    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cuda", x.device.index)])
     assert k.barrier_give_ups(x.device) == 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 8, 40])
 def test_gpu_sample_temperature_alone_without_barrier(cuda, monkeypatch, B):
-    """Scalar temperature alone takes the barrier-free race (1 row, 8 rows in one launch, 40 in
-    waves, forced: by default they take two launches): the tokens of the barrier path and of the two
-    launches for the same seed and offset, the offset advanced once per call, also when replayed in
-    a graph (fresh tokens each replay)."""
+    """Scalar temperature alone takes the barrier-free race (1 row, 8 rows in one launch; 40 in
+    waves, launched directly: ``sample`` takes two launches there, for either): the tokens of the barrier path
+    (the same temperature as a per-row tensor) and of the two launches for the same seed and offset,
+    the offset advanced once per call, also when replayed in a graph (fresh tokens each replay)."""
     k = _k()
-    if B > 16:
-        monkeypatch.setenv("EMBER_SAMPLE_WAVES", "1")
+    from ember.kernels.sampling import sampler
     calls = _count_wave_launches(monkeypatch, k, "sample_one_launch")
     seed = torch.tensor([13], device=cuda)
+    t_rows = torch.full((B,), 0.8, device=cuda)
+    dev = torch.device(cuda)
+    plan = k.wave_rows_plan(B, 128256, _grid()._device_sms(t_rows), k.min_chunk(dev)) if B > 16 else None
+
+    def one_launch(x, t, off):
+        if plan is None:
+            return ember.ops.sample(x, temperature=t, seed=seed, offset=off)
+        out = torch.empty(B, dtype=torch.int64, device=cuda)
+        sampler.sample_one_launch(x, out, t, 0, 1.0, 0.0, seed, off, chunk=plan[0], rows_per_wave=plan[1])
+        return out
+
+    def free(x, off):
+        return one_launch(x, 0.8, off)
     for i in range(6):
         x = torch.randn(B, 128256, device=cuda) * (1 + i % 3)
         offs = [torch.full((1,), i, dtype=torch.int64, device=cuda) for _ in range(3)]
-        free = ember.ops.sample(x, temperature=0.8, seed=seed, offset=offs[0])
-        monkeypatch.setenv("EMBER_SAMPLE_FREE_RACE", "0")
-        barrier = ember.ops.sample(x, temperature=0.8, seed=seed, offset=offs[1])
-        monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
-        two = ember.ops.sample(x, temperature=0.8, seed=seed, offset=offs[2])
-        monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
-        monkeypatch.delenv("EMBER_SAMPLE_FREE_RACE")
-        assert torch.equal(free, barrier) and torch.equal(free, two), (i, free, barrier, two)
+        got = free(x, offs[0])
+        barrier = one_launch(x, t_rows, offs[1])
+        two = _sample_two_launch(x, 0.8, seed=seed, offset=offs[2])
+        assert torch.equal(got, barrier) and torch.equal(got, two), (i, got, barrier, two)
         assert [int(o) for o in offs] == [i + 1] * 3
     assert len(calls) == 12
     off = torch.zeros(1, dtype=torch.int64, device=cuda)
-    ember.ops.sample(x, temperature=0.8, seed=seed, offset=off)
+    free(x, off)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        tok = ember.ops.sample(x, temperature=0.8, seed=seed, offset=off)
+        tok = free(x, off)
     seen = set()
     for _ in range(50):
         g.replay()
         seen.add(int(tok[0]))
     assert off.item() == 51 and len(seen) > 5
     torch.cuda.synchronize()
-    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cuda", x.device.index)])
 
 
 @pytest.mark.gpu
@@ -834,23 +923,23 @@ def test_gpu_sample_one_launch_graph_replays(cuda, monkeypatch):
         assert probs[int(tok)] > 0
     assert off.item() == 201 and len(seen) > 5 and len(calls) == 2
     torch.cuda.synchronize()
-    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cuda", x.device.index)])
 
 
 # ------------------------------------------------------------------ candidates sorted as a small block
 def _candidate_count(x, temperature, top_k, top_p):
     """How many candidates a row's last program gets (the kernels' bound, restated in torch)."""
     k = _k()
-    chunk, P, _ = k._split(x.numel())
+    chunk, P, _ = k.split(x.numel(), k.min_chunk(x.device))
     z = x.double() / temperature
     cm = torch.nn.functional.pad(z, (0, P * chunk - z.numel()), value=-math.inf).view(P, chunk).amax(1)
-    rank = min(top_k, P) if top_k > 0 else min(P, k.TOPP_CANDIDATE_CHUNKS)
+    rank = min(top_k, P) if top_k > 0 else min(P, _grid().TOPP_CANDIDATE_CHUNKS)
     L = cm.sort(descending=True).values[rank - 1]
     return int((z >= L).sum())
 
 
 def _candidate_rows():
-    """[4, 20000] rows whose candidate lists fall on both sides of SMALL_SORT (128), below CAP (512)
+    """[4, 20000] rows whose candidate lists fall on both sides of a 128 sort block, below CAP (512)
     (overflowing rows take the bisection, the same for both; it is slow in the interpreter)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 20000, generator=g) * 3
@@ -867,49 +956,49 @@ SORT_MIXES = [dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.0),
 
 
 @pytest.mark.parametrize("mix", [SORT_MIXES[0], SORT_MIXES[2]])   # the others on the GPU (slow here)
-def test_sample_small_sort_equals_full_sort_interpreter(interpreter, monkeypatch, mix):
-    """Candidates sorted as a SMALL_SORT block (n <= 128) draw the tokens the CAP sort draws, for the
-    same seed and offset, over rows on both sides of SMALL_SORT; every token in the reference support."""
+def test_sample_small_sort_equals_full_sort_interpreter(interpreter, mix):
+    """Candidates sorted as a small block (``small_sort``: 128 here, n <= 128) draw the tokens the CAP
+    sort draws, for the same seed and offset, over rows on both sides of the block; every token in
+    the reference support."""
     k = _k()
     x = _candidate_rows()
     counts = [_candidate_count(r, mix["temperature"], mix["top_k"], mix["top_p"]) for r in x]
-    assert min(counts) <= k.SMALL_SORT < max(counts) <= k.CAP, counts
+    assert min(counts) <= 128 < max(counts) <= k.CAP, counts
     toks = {}
     for cap in ("512", "128"):           # one seed and offset (each call takes ~6 s in the interpreter)
-        monkeypatch.setenv("EMBER_SAMPLING_SMALL_SORT", cap)
         toks[cap] = poisoned((4,), torch.int64, "cpu")
-        k.sample(x, toks[cap], mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 1)
+        with tuning.override("sampling", {"small_sort": {"block": int(cap)}}):
+            k.sample(x, toks[cap], mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"], 5, 1)
     assert torch.equal(toks["512"], toks["128"])
     probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
     assert bool((probs[torch.arange(4), toks["128"]] > 0).all()), toks["128"]
 
 
-def test_small_sort_env_validated(monkeypatch):
+def test_small_sort_tuning_entry_validated():
     k = _k()
-    monkeypatch.delenv("EMBER_SAMPLING_SMALL_SORT", raising=False)
-    assert k.small_sort() == k.SMALL_SORT
-    monkeypatch.setenv("EMBER_SAMPLING_SMALL_SORT", "64")
-    assert k.small_sort() == 64
-    for bad in ("0", "100", "8", "1024", "-1"):
-        monkeypatch.setenv("EMBER_SAMPLING_SMALL_SORT", bad)
-        with pytest.raises(ValueError, match="EMBER_SAMPLING_SMALL_SORT.*" + bad):
-            k.small_sort()
+    assert 16 <= k.small_sort(CPU) <= k.CAP                     # the rule
+    with tuning.override("sampling", {"small_sort": {"block": 64}}):
+        assert k.small_sort(CPU) == 64
+    for bad in (0, 100, 8, 1024, -1, "64"):
+        with tuning.override("sampling", {"small_sort": {"block": bad}}), \
+                pytest.raises(ValueError, match="sampling/small_sort"):
+            k.small_sort(CPU)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mix", SAMPLE_MIXES[:1] + SORT_MIXES)
-def test_gpu_sample_small_sort_equals_full_sort(cuda, monkeypatch, mix):
+def test_gpu_sample_small_sort_equals_full_sort(cuda, mix):
     """On the GPU (one launch at 128256, two launches at 20000): the small and the CAP sort draw the
-    same token for the same seed and offset, rows on both sides of SMALL_SORT."""
+    same token for the same seed and offset, rows on both sides of a 128 block."""
     seed = torch.tensor([5], device=cuda)
     rows = [_candidate_rows().to(cuda)] + [torch.randn(4, 128256, device=cuda) * s for s in (1, 3, 10)]
     for x in rows:
         toks = {}
         for cap in ("512", "128"):
-            monkeypatch.setenv("EMBER_SAMPLING_SMALL_SORT", cap)
-            toks[cap] = torch.stack([torch.cat([ember.ops.sample(r[None], **mix, seed=seed,
-                                                                 offset=torch.full((1,), i, device=cuda))
-                                                for r in x]) for i in range(5)])
+            with tuning.override("sampling", {"small_sort": {"block": int(cap)}}):
+                toks[cap] = torch.stack([torch.cat([ember.ops.sample(r[None], **mix, seed=seed,
+                                                                     offset=torch.full((1,), i, device=cuda))
+                                                    for r in x]) for i in range(5)])
         assert torch.equal(toks["512"], toks["128"]), (x.shape, toks)
         probs = S.sampling_probs_reference(x, mix["temperature"], mix["top_k"], mix["top_p"], mix["min_p"])
         for rep in toks["128"]:
@@ -947,14 +1036,12 @@ def test_gpu_nucleus_search_equals_two_launches(cuda, monkeypatch, mix):
         for i in range(6):
             off = torch.full((1,), i, dtype=torch.int64, device=cuda)
             one = ember.ops.sample(x, **mix, seed=seed, offset=off.clone())
-            monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
-            two = ember.ops.sample(x, **mix, seed=seed, offset=off.clone())
-            monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
+            two = _sample_two_launch(x, **mix, seed=seed, offset=off.clone())
             assert torch.equal(one, two), (i, one, two)
             assert probs[int(one)] > 0
     assert len(calls) == 6 * 6
     torch.cuda.synchronize()
-    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cuda", x.device.index)])
     assert k.barrier_give_ups(torch.device(cuda)) == give_ups
 
 
@@ -1013,13 +1100,11 @@ def test_gpu_sample_few_rows_one_launch_equals_two_launches(cuda, monkeypatch, B
             x[0, : V // 2] = -math.inf
         off = torch.full((1,), i, dtype=torch.int64, device=cuda)
         one = ember.ops.sample(x, temperature=T, top_k=K.long(), top_p=Pp, min_p=MP, seed=seed, offset=off.clone())
-        monkeypatch.setenv("EMBER_SOFTMAX_ONE_LAUNCH", "0")
-        two = ember.ops.sample(x, temperature=T, top_k=K.long(), top_p=Pp, min_p=MP, seed=seed, offset=off.clone())
-        monkeypatch.delenv("EMBER_SOFTMAX_ONE_LAUNCH")
+        two = _sample_two_launch(x, T, K.long(), Pp, MP, seed=seed, offset=off.clone())
         assert torch.equal(one, two), (i, one, two)
         probs = S.sampling_probs_reference(x, T, K.long(), Pp, MP)
         assert bool((probs[torch.arange(B), one.cpu()] > 0).all())
     assert len(calls) == 8
     torch.cuda.synchronize()
-    _assert_workspace_clean(k._WORKSPACES[("cuda", x.device.index)])
+    _assert_workspace_clean(_grid()._WORKSPACES[("cuda", x.device.index)])
     assert k.barrier_give_ups(x.device) == 0

@@ -18,41 +18,32 @@ FLOPs are negligible at batch 1 (~6 GFLOP/token -> 8 us at 790 TFLOP/s). transfo
 ember is timed as one decode step (embedding, all layers, final norm, lm_head, argmax; the engine
 adds its sampler) captured once in a CUDA graph and replayed per token after a 128-token prefill;
 transformers as ``generate`` (default experts and eager experts; decode rate from the time of n+1
-tokens minus 1 token, as baseline_h200.py measures); with ``EMBER_BENCH_HF_COMPILE=1`` also with
-a static cache + torch.compile (the rate of a second identical generate, as ``ember bench moe``
-times it), recorded as an error where transformers does not support it for the model.
+tokens minus 1 token, as baseline_h200.py measures); with ``--hf-compile`` also with a static cache +
+torch.compile (the rate of a second identical generate, as ``ember bench moe`` times it), recorded
+as an error where transformers does not support it for the model. ``--variants`` also times the
+bf16 decode under the VARIANTS below.
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
-from ember.bench import BenchContext, Row, env_vars
+from ember.bench import BenchContext, Row, variant
 from ember.bench import moe as moe_bench
 
 COPY_BW = 4.155e12
 PROMPT, STEPS, HF_NEW = 128, 128, 16
 TARGETS = {"lfm2_moe_8b_a1b": (600.0, 30.0), "qwen3_5_moe_35b_a3b": (300.0, 40.0)}
-# The unfused paths (kept behind off-switches) timed beside the default bf16 decode, per family;
-# BUILD_VARIANTS change the weights' layout, so their environment is set while the net is built too.
-VARIANTS = {"qwen3_5_moe_35b_a3b": {"deltanet_unfused": {"EMBER_DELTANET_FUSED": "0"}, "pdl_off": {"EMBER_PDL": "0"},
-                                    "norm_route_unfused": {"EMBER_NORM_ROUTE_FUSED": "0"}},
-            "lfm2_moe_8b_a1b": {"conv_unfused": {"EMBER_LFM2_CONV_FUSED": "0"}, "pdl_off": {"EMBER_PDL": "0"},
-                                "norm_route_unfused": {"EMBER_NORM_ROUTE_FUSED": "0"}}}
-BUILD_VARIANTS = {"qwen3_5_moe_35b_a3b": {
-    "shared_expert_unfolded": {"EMBER_FOLD_SHARED_EXPERT": "0"},
-    "unfolded_and_deltanet_unfused": {"EMBER_FOLD_SHARED_EXPERT": "0", "EMBER_DELTANET_FUSED": "0"}}}
+# Variants of the bf16 decode timed beside the default (``bench.variant``: switches and tile data
+# read while the step is captured): the generic tile entries and the dependent-launch kill switch.
+VARIANTS = {"generic_tiles": {"switches": {"EMBER_TUNING": "generic"}}, "pdl_off": {"switches": {"EMBER_PDL": False}}}
 
 
-def _variant_tok_s(net, ids, steps, env: dict, build=None) -> float | str:
-    """bf16 decode tok/s with ``env`` set while the graph is captured and replayed (restored after);
-    ``build()``, if given, makes the net under ``env`` first (and it is dropped after)."""
+def _variant_tok_s(net, ids, steps, spec: dict) -> float | str:
+    """bf16 decode tok/s with the graph captured and replayed inside ``variant(spec)``."""
     try:
-        with env_vars(env):
-            if build is not None:
-                net = build()
+        with variant(spec):
             return ember_decode(net, ids, steps)["tok_s"]
     except Exception as e:  # recorded, not fatal
         return repr(e)[:200]
@@ -178,7 +169,7 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
     ctx.progress(f"{kind}: HF generate (default experts, static cache + compile if asked, eager experts)")
     hf_figs, extra_hf = {}, {"hf_model_build_s": build_s}
     settings = ["default", "eager"]
-    if ctx.on_gpu and os.environ.get("EMBER_BENCH_HF_COMPILE") == "1":
+    if ctx.on_gpu and ctx.hf_compile:
         settings.insert(1, "static_compiled")  # with the default experts, before switching to eager
     for impl in settings:
         try:
@@ -209,19 +200,10 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
             extra = dict(extra_hf, prefill_s=r["prefill_s"], warmup_s=r["capture_s"], load_s=load_s,
                          floor_ms=floor_ms, roofline_tok_s=1e3 / floor_ms,
                          fraction_of_roofline=r["tok_s"] * floor_ms / 1e3, prompt=prompt, decode_steps=steps)
-            variants_on = os.environ.get("EMBER_BENCH_VARIANTS", "1") != "0"  # 0: rows only (device time)
-            if not fp8 and ctx.on_gpu and variants_on and VARIANTS.get(kind):
-                extra["tok_s_variants"] = {v: _variant_tok_s(net, ids, steps, env) for v, env in VARIANTS[kind].items()}
+            if not fp8 and ctx.on_gpu and ctx.variants:
+                extra["tok_s_variants"] = {v: _variant_tok_s(net, ids, steps, spec) for v, spec in VARIANTS.items()}
                 print(f"{name} variants (tok/s):", extra["tok_s_variants"], flush=True)
             del net
-            if not fp8 and ctx.on_gpu and variants_on and BUILD_VARIANTS.get(kind):
-                torch.cuda.empty_cache()
-                variants = extra.setdefault("tok_s_variants", {})
-                for v, env in BUILD_VARIANTS[kind].items():
-                    variants[v] = _variant_tok_s(None, ids, steps, env,
-                                                 build=lambda m=hf: ember_net(m, cfg, fp8=False, max_seq_len=prompt + steps + 8))
-                    torch.cuda.empty_cache()
-                print(f"{name} build variants (tok/s):", variants, flush=True)
             if not fp8:
                 bf16 = r["tok_s"]
                 tok_target, x_target = TARGETS[kind]

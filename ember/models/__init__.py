@@ -1,12 +1,13 @@
 """Model families, one self-contained file per Hugging Face ``model_type``.
 
 Each module defines ``MODEL_TYPE`` and ``build(src, cfg, *, fp8, max_seq_len) -> CausalLM`` where
-``src`` is a :class:`ember.models._common.TensorSource` over the checkpoint's tensors.
+``src`` is a :class:`ember.models._weights.TensorSource` over the checkpoint's tensors. A config
+key or tensor the family needs and the checkpoint lacks is a ValueError naming it.
 
 Example:
     >>> from ember.models import SUPPORTED
     >>> sorted(SUPPORTED)
-    ['qwen3', 'qwen3_moe']
+    ['lfm2_moe', 'qwen3', 'qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_moe']
 """
 import importlib
 

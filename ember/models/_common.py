@@ -10,8 +10,8 @@ Shapes: B rows, T tokens, H hidden, NH query heads, KVH key/value heads, D head 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +35,8 @@ class AttentionConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "AttentionConfig":
+        check_default_rope(cfg)
         rope = cfg.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (ember implements 'default')")
         if cfg.get("use_sliding_window"):
             raise ValueError("config.json: use_sliding_window=true is not supported")
         nh = cfg["num_attention_heads"]
@@ -47,6 +45,28 @@ class AttentionConfig:
                    rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
                    rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                    attention_bias=bool(cfg.get("attention_bias", False)))
+
+
+def rope_types(cfg: dict) -> list[str]:
+    """The RoPE variants a config names: in ``rope_parameters`` (transformers 5) and in the legacy
+    ``rope_scaling``, each as ``rope_type`` or, in older configs, ``type``; empty when none does."""
+    kinds = []
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json: expected {key} to be an object, got {rope!r}")
+        kinds += [rope[k] for k in ("rope_type", "type") if rope.get(k) is not None]
+    return kinds
+
+
+def check_default_rope(cfg: dict) -> None:
+    """A ValueError naming the RoPE variant unless every one the config names is "default" (the only
+    one ember implements: no YaRN, linear or dynamic scaling)."""
+    for kind in rope_types(cfg):
+        if kind != "default":
+            raise ValueError(f"config.json: rope_type {kind!r} is not supported (ember implements 'default')")
 
 
 def rope_tables(head_dim: int, theta: float, max_seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,31 +160,15 @@ class Attention(nn.Module):
         """h [B, H], one token per row at ``positions`` [B] -> [B, H]; appends k, v to the cache.
         ``project=False``: the attention output before the output projection ``self.o`` ([B, NH * D]),
         for a caller that folds the projection into its next launch."""
-        c = self.cfg
-        fused = os.environ.get("EMBER_FUSED_QKV", "0") == "1"  # read per call; opt-in: measured slower
-        if fused and type(self.qkv) is Linear and self.qkv.bias is None and h.shape[0] <= 8:
-            # projection + q/k norm + RoPE + cache write in one launch (ember.ops.attention)
-            q = attn_ops.qkv_proj_norm_rope_cache(h, self.qkv.weight, self.q_norm, self.k_norm, cos, sin, positions,
-                                                  cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps)
-        else:
-            return self._decode_from_qkv(self.qkv(h), positions, seq_lens, cos, sin, cache, project=project)
-        out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
-        return self.o(out) if project else out
-
-    def prescaled_decode_ok(self) -> bool:
-        """Whether :meth:`decode_prescaled` can run this step: ``EMBER_NORM_DEFER`` not "0" and none of
-        the opt-in attention paths it would bypass (environment read per call, so while capturing). The
-        MLP before it decides whether it can write its side (up to 16 rows for MoE)."""
-        return (os.environ.get("EMBER_NORM_DEFER", "1") != "0"
-                and all(os.environ.get(k, "0") != "1"
-                        for k in ("EMBER_ATTN_FUSED_ROPE", "EMBER_FUSED_QKV", "EMBER_NORM_QKV_FUSED")))
+        return self._decode_from_qkv(self.qkv(h), positions, seq_lens, cos, sin, cache, project=project)
 
     def decode_prescaled(self, scaled: torch.Tensor, h: torch.Tensor, eps: float, positions: torch.Tensor,
                          seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          cache: tuple[torch.Tensor, torch.Tensor], project: bool = True) -> torch.Tensor:
         """``decode(add_rmsnorm's normed h)`` given ``scaled = h * norm_weight`` (the previous layer's
         ``moe_experts_add_scale``): the 1 / rms(h) is applied after the qkv projection, in the q/k
-        norm + RoPE launch (``prenorm``), so the norm has no launch of its own. ``project``: as in decode."""
+        norm + RoPE launch (``prenorm``), so the norm has no launch of its own (H200 Qwen3-30B-A3B
+        decode step: bf16 2.311 vs 2.396 ms, fp8 2.159 vs 2.248). ``project``: as in decode."""
         return self._decode_from_qkv(self.qkv(scaled), positions, seq_lens, cos, sin, cache, prenorm=(h, eps),
                                      project=project)
 
@@ -172,34 +176,10 @@ class Attention(nn.Module):
                          prenorm: tuple | None = None, project: bool = True) -> torch.Tensor:
         """q/k norm + RoPE + cache write, decode attention, output projection (unless not ``project``)."""
         c = self.cfg
-        # opt-in (read per call, so while capturing): the H200 decode step measured it slower, 2.706 vs
-        # 2.576 ms (bench/results/h200/step_variants_fold2.json; ARCHITECTURE.md, attention)
-        if prenorm is None and os.environ.get("EMBER_ATTN_FUSED_ROPE", "0") == "1":
-            out = attn_ops.qk_norm_rope_attention(qkv, self.q_norm, self.k_norm, cos, sin, positions, seq_lens,
-                                                  cache[0], cache[1], num_heads=c.num_heads, eps=c.rms_norm_eps,
-                                                  scale=self.scale)
-        else:
-            q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
-                                            num_heads=c.num_heads, eps=c.rms_norm_eps, prenorm=prenorm)
-            out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
+        q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
+                                        num_heads=c.num_heads, eps=c.rms_norm_eps, prenorm=prenorm)
+        out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out) if project else out
-
-    def add_norm_decode(self, m: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        positions: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``decode(add_rmsnorm(m, residual, norm_weight))`` with the norm folded into the qkv GEMV.
-
-        Batch 1 with an unscaled, bias-free qkv weight only (``ember.ops.add_rmsnorm_linear``); returns
-        ``(out, new_residual)``, or None where the fold does not apply: the caller then runs the norm
-        and :meth:`decode`. Opt-in (``EMBER_NORM_QKV_FUSED=1``): on the H200 it made the Qwen3-30B-A3B
-        step slower, 0.36 ms with the norm computed up front in each of the GEMV's 1280 programs
-        (step_variants_norm_fold.json), 0.11 ms with 1/rms applied after the K loop (moe.json variants).
-        """
-        if (m.shape[0] != 1 or type(self.qkv) is not Linear or self.qkv.bias is not None
-                or os.environ.get("EMBER_NORM_QKV_FUSED", "0") != "1" or os.environ.get("EMBER_FUSED_QKV", "0") == "1"):
-            return None
-        qkv, new_residual = ember.ops.add_rmsnorm_linear(m, residual, norm_weight, self.qkv.weight, eps=eps)
-        return self._decode_from_qkv(qkv, positions, seq_lens, cos, sin, cache), new_residual
 
 
 class DenseMLP(nn.Module):
@@ -275,14 +255,12 @@ class CausalLM(nn.Module):
                 for layer in self.cache_specs(max_batch_size, max_seq_len, dtype)]
 
     def _run(self, x: torch.Tensor, attend, last_only: bool = False,
-             last_index: torch.Tensor | None = None, attend_add_norm=None, attend_prescaled=None) -> torch.Tensor:
-        """The decoder stack. ``attend(i, attn, normed)`` runs layer i's mixer; ``attend_add_norm(i,
-        attn, m, residual, norm_weight)`` (decode), where it returns non-None, runs it on
-        ``add_rmsnorm(m, residual, norm_weight)`` with the norm folded in and returns (out, new residual).
-        ``attend_prescaled(i, attn, scaled, h)`` (decode) runs layer i's mixer on ``add_rmsnorm``'s
-        output given h (the new residual) and h * norm_weight, which the previous layer's MLP wrote
-        instead of its output where both layers can (``add_norm_forward_prescaled`` and
-        ``prescaled_decode_ok``): the pre-attention norm then has no launch of its own. Where the MLP
+             last_index: torch.Tensor | None = None, attend_prescaled=None) -> torch.Tensor:
+        """The decoder stack. ``attend(i, attn, normed)`` runs layer i's mixer; ``attend_prescaled(i,
+        attn, scaled, h)`` (decode) runs layer i's mixer on ``add_rmsnorm``'s output given h (the new
+        residual) and h * norm_weight, which the previous layer's MLP wrote instead of its output where
+        both layers can (the MLP's ``add_norm_forward_prescaled``, the next mixer's
+        ``decode_prescaled``): the pre-attention norm then has no launch of its own. Where the MLP
         also takes the attention's output projection into its router launch (``linear_route_ok``,
         one decode row), the mixer is called with ``project=False``."""
         normed, residual = ember.ops.rmsnorm(x, self.layers[0].ln1, self.eps), x
@@ -292,25 +270,18 @@ class CausalLM(nn.Module):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             fold_next = getattr(layer.mlp, "add_norm_forward_prescaled", None)
             can_prescale = (attend_prescaled is not None and fold_next is not None and nxt is not None
-                            and getattr(nxt.attn, "prescaled_decode_ok", lambda: False)())
+                            and hasattr(nxt.attn, "decode_prescaled"))
             # the o_proj in the router's launch (qwen3_moe.SparseMoe.linear_add_norm_forward_prescaled)
             unprojected = (can_prescale and isinstance(layer.attn, Attention)
                            and getattr(layer.mlp, "linear_route_ok", lambda o, n: False)(layer.attn.o, rows))
             project = {} if not unprojected else {"project": False}
-            folded = None
             if prescaled is not None:
                 residual, scaled = prescaled
                 a = attend_prescaled(i, layer.attn, scaled, residual, **project)
             else:
-                if i > 0 and attend_add_norm is not None:
-                    folded = attend_add_norm(i, layer.attn, m, residual, layer.ln1)
-                if folded is not None:
-                    a, residual = folded
-                    unprojected = False
-                else:
-                    if i > 0:
-                        normed, residual = ember.ops.add_rmsnorm(m, residual, layer.ln1, self.eps)
-                    a = attend(i, layer.attn, normed, **project)
+                if i > 0:
+                    normed, residual = ember.ops.add_rmsnorm(m, residual, layer.ln1, self.eps)
+                a = attend(i, layer.attn, normed, **project)
             prescaled = None
             if unprojected:
                 prescaled = layer.mlp.linear_add_norm_forward_prescaled(a, layer.attn.o, residual, layer.ln2,
@@ -351,18 +322,13 @@ class CausalLM(nn.Module):
         """tokens [B] at positions [B] (seq_lens = positions + 1, int32) -> logits [B, V]."""
         x = F.embedding(tokens, self.embed)
 
-        def attend_add_norm(i, attn, m, residual, norm_weight):
-            fold = getattr(attn, "add_norm_decode", None)
-            return None if fold is None else fold(m, residual, norm_weight, self.eps, positions, seq_lens,
-                                                  self.cos, self.sin, caches[i])
-
         def attend_prescaled(i, attn, scaled, h, **project):
             return attn.decode_prescaled(scaled, h, self.eps, positions, seq_lens, self.cos, self.sin, caches[i],
                                          **project)
 
         def attend(i, attn, h, **project):
             return attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i], **project)
-        return self._run(x, attend, attend_add_norm=attend_add_norm, attend_prescaled=attend_prescaled)
+        return self._run(x, attend, attend_prescaled=attend_prescaled)
 
 
 def make_linear(src: TensorSource, prefix: str, out_features: int, in_features: int, *, fp8: bool,
@@ -422,6 +388,21 @@ def build_causal_lm(src: TensorSource, cfg: dict, attn_cfg: AttentionConfig, mak
         # The lm_head stays in the model dtype even with --fp8: it is 10% of the bytes and sets the logits.
         lm_head = Linear(src.get("lm_head.weight", (V, H)))
     return CausalLM(embed, layers, norm, lm_head, attn_cfg, max_seq_len)
+
+
+def missing_as_value_error(build):
+    """A model file's ``build``: a config key it reads that config.json lacks (a KeyError) becomes a
+    ValueError naming it. (A missing tensor is already one: ``TensorSource`` raises it.)"""
+    @functools.wraps(build)
+    def wrapper(*args, **kwargs):
+        try:
+            return build(*args, **kwargs)
+        except KeyError as e:
+            name = str(e.args[0]) if e.args else "?"
+            if "." in name:  # tensor names have dots, config keys do not
+                raise missing_error([name]) from None
+            raise ValueError(f"config.json: missing required key {name!r}") from None
+    return wrapper
 
 
 def check_positive(cfg: dict, *keys: str) -> None:

@@ -15,8 +15,6 @@ Example:
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -105,21 +103,6 @@ def linear_from_weight(w: torch.Tensor, *, fp8: bool) -> nn.Module:
 
 def is_fp8_checkpoint(src: _common.TensorSource) -> bool:
     return any(n.endswith(".weight_scale_inv") for n in src.names)
-
-
-def missing_as_value_error(build):
-    """A model file's ``build``: a tensor the config requires but the checkpoint lacks (TensorSource
-    raises KeyError) becomes the loader's "missing tensor" ValueError naming it."""
-    @functools.wraps(build)
-    def wrapper(*args, **kwargs):
-        try:
-            return build(*args, **kwargs)
-        except KeyError as e:
-            name = str(e.args[0])
-            if "." not in name:  # tensor names have dots, config keys do not
-                raise ValueError(f"config.json: missing required key {name!r}") from None
-            raise _common.missing_error([name]) from None
-    return wrapper
 
 
 # ----------------------------------------------------------------------------- config helpers

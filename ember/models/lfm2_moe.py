@@ -23,7 +23,6 @@ Example:
 """
 from __future__ import annotations
 
-import os
 import re
 
 import torch
@@ -37,16 +36,12 @@ MODEL_TYPE = "lfm2_moe"
 LAYER_TYPES = ("conv", "full_attention")
 
 
-def _conv_fused() -> bool:
-    """Unless EMBER_LFM2_CONV_FUSED=0 (read per call, so also while a graph is captured): the gates b
-    and c run inside the conv kernel (one launch instead of three per conv block; bit-exact to the
-    three, see ember.ops.conv1d). H200, LFM2-8B-A1B bf16 decode: 677 -> 701 tok/s (731 -> 770 with
-    dependent launch)."""
-    return os.environ.get("EMBER_LFM2_CONV_FUSED", "1") != "0"
-
-
 class ShortConv(nn.Module):
-    """The LFM2 gated short convolution, with the prefill / decode interface of an attention block."""
+    """The LFM2 gated short convolution, with the prefill / decode interface of an attention block.
+
+    The gates b and c run inside the conv kernel (``causal_conv1d(gate_in=, gate_out=)``: one launch
+    instead of three per block, each product rounded as the torch ops round it). H200, LFM2-8B-A1B
+    bf16 decode: 781 -> 828 tok/s (bench/results/h200/moe_hybrid.json)."""
 
     def __init__(self, in_proj: nn.Module, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                  out_proj: nn.Module):
@@ -73,24 +68,16 @@ class ShortConv(nn.Module):
         if cache is not None:
             state = cache[0][: h.shape[0]]
             state.zero_()  # a fresh sequence: the conv sees zeros before position 0
-        if _conv_fused():
-            y = ember.ops.causal_conv1d(x.transpose(1, 2), self.conv_weight, self.conv_bias, conv_state=state,
-                                        gate_in=b.transpose(1, 2), gate_out=c.transpose(1, 2), channels_last=True)
-            return self.out_proj(y.transpose(1, 2))
-        y = ember.ops.causal_conv1d((b * x).transpose(1, 2), self.conv_weight, self.conv_bias, conv_state=state)
-        return self.out_proj(c * y.transpose(1, 2))
+        y = ember.ops.causal_conv1d(x.transpose(1, 2), self.conv_weight, self.conv_bias, conv_state=state,
+                                    gate_in=b.transpose(1, 2), gate_out=c.transpose(1, 2), channels_last=True)
+        return self.out_proj(y.transpose(1, 2))
 
     def decode(self, h: torch.Tensor, positions, seq_lens, cos, sin, cache: tuple[torch.Tensor]) -> torch.Tensor:
         """h [B, H], one token per row -> [B, H]; rolls the conv state."""
         b, c, x = self.in_proj(h).chunk(3, dim=-1)                          # each [B, H]
-        if _conv_fused():
-            y = ember.ops.causal_conv1d(x[:, :, None], self.conv_weight, self.conv_bias,
-                                        conv_state=cache[0][: h.shape[0]], gate_in=b[:, :, None],
-                                        gate_out=c[:, :, None])
-            return self.out_proj(y[:, :, 0])
-        y = ember.ops.causal_conv1d((b * x)[:, :, None], self.conv_weight, self.conv_bias,
-                                    conv_state=cache[0][: h.shape[0]])
-        return self.out_proj(c * y[:, :, 0])
+        y = ember.ops.causal_conv1d(x[:, :, None], self.conv_weight, self.conv_bias,
+                                    conv_state=cache[0][: h.shape[0]], gate_in=b[:, :, None], gate_out=c[:, :, None])
+        return self.out_proj(y[:, :, 0])
 
 
 class Lfm2SparseMoe(nn.Module):
@@ -189,10 +176,8 @@ def _build_conv(src: _common.TensorSource, cfg: dict, prefix: str, *, fp8: bool)
 
 
 def _attention_config(cfg: dict) -> _common.AttentionConfig:
+    _common.check_default_rope(cfg)
     rope = cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (ember implements 'default')")
     H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     if H % nh:
         raise ValueError(f"config.json: hidden_size={H} is not a multiple of num_attention_heads={nh}")
@@ -204,7 +189,7 @@ def _attention_config(cfg: dict) -> _common.AttentionConfig:
                                    rms_norm_eps=float(cfg.get("norm_eps", 1e-5)))
 
 
-@_hybrid.missing_as_value_error
+@_common.missing_as_value_error
 def build(src: _common.TensorSource, cfg: dict, *, fp8: bool, max_seq_len: int) -> _hybrid.HybridLM:
     _common.check_positive(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     types = _layer_types(cfg)

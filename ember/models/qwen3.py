@@ -12,7 +12,13 @@ from ember.models import _common
 MODEL_TYPE = "qwen3"
 
 
+@_common.missing_as_value_error
 def build(src: _common.TensorSource, cfg: dict, *, fp8: bool, max_seq_len: int) -> _common.CausalLM:
+    for key in ("num_experts", "num_local_experts"):  # transformers 4 / 5 spellings
+        experts = cfg.get(key)
+        if isinstance(experts, int) and not isinstance(experts, bool) and experts > 0:
+            raise ValueError(f"config.json: model_type 'qwen3' is the dense model, but the config has {key}="
+                             f"{experts} (a Qwen3 MoE checkpoint is model_type 'qwen3_moe')")
     _common.check_positive(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                            "intermediate_size")
     attn = _common.AttentionConfig.from_hf(cfg)

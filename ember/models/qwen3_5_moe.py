@@ -15,10 +15,9 @@ the rest gated DeltaNet); every layer has a sparse MoE with a shared expert.
   q/k RMSNorm with the ``(1 + weight)`` convention; RoPE on the first ``partial_rotary_factor *
   head_dim`` dims of each head only.
 * MoE: softmax top-k (always renormalised) through ``ember.ops.moe``, plus a shared SwiGLU expert
-  scaled by ``sigmoid(shared_expert_gate(h))``. By default at load (float or fp8 weights, shared width =
-  expert width; ``EMBER_FOLD_SHARED_EXPERT=0`` keeps it apart) the shared expert is stored as expert E
-  and its gate as router row E, so one routing launch and the two expert GEMVs do it all
-  (``FoldedSharedMoe``).
+  scaled by ``sigmoid(shared_expert_gate(h))``. Where it can (float or fp8 weights, shared width =
+  expert width, matching scale layouts) the build stores the shared expert as expert E and its gate as
+  router row E, so one routing launch and the two expert GEMVs do it all (``FoldedSharedMoe``).
 * Norms (input, post-attention, final, q/k): ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` in float32;
   ember stores ``1 + weight`` in float32 so its RMSNorm computes exactly that.
 
@@ -32,8 +31,6 @@ Example:
     >>> model = ember.load("path/to/Qwen3.6-35B-A3B")
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -73,42 +70,14 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, h: torch.Tensor, conv_state, state) -> torch.Tensor:
         """h [B, T, H] -> [B, T, H], continuing from (and updating) the given states (None: zeros).
 
-        By default (``EMBER_DELTANET_FUSED=0`` switches it off; read per call, so also while a CUDA
-        graph is captured) this takes the fused path: the delta-rule kernel computes ``g`` and
-        ``beta`` from the raw ``a`` / ``b`` projections, one gated RMSNorm launch replaces the norm
-        and the five torch ops of the gate,
-        and the conv writes [B, T, C] directly (the ``.contiguous()`` copy, a no-op at T = 1, is gone
-        from prefill). Launches per DeltaNet layer at T = 1 (counted by
-        tests/models/test_qwen3_5_moe.py::test_fused_path_launch_count, Triton launches plus
-        non-view torch ops): 16 -> 6 (3 GEMVs, conv, delta rule, gated norm), 300 fewer per
-        Qwen3.5-35B-A3B decode step (30 DeltaNet layers); at the ~1.2-2 us a dependent launch costs
-        in a CUDA graph, an expected 0.35-0.6 ms of the 4.27 ms step; measured on the H200
-        (bench/results/h200/moe_hybrid.json, first A/B run): 243 -> 279 tok/s alone, 299 -> 354 with
-        the folded shared expert (3.34 -> 2.83 ms per step). The unfused path computes the same
-        values as this one bit for bit on the GPU (libdevice expf / log1pf and IEEE division, as
-        torch's CUDA kernels compute them); under Triton's interpreter numpy's exp
-        differs from torch's CPU exp in the last fp32 bit, so there the paths agree to rounding.
+        Six launches at T = 1 (3 GEMVs, conv, delta rule, gated norm; counted by
+        tests/models/test_qwen3_5_moe.py): the delta-rule kernel computes ``g`` and ``beta`` from the
+        raw ``a`` / ``b`` projections, one gated RMSNorm launch does the norm and the ``silu(z)`` gate,
+        and the conv writes [B, T, C] directly. The torch composition of the same math is 16 launches;
+        on the H200 this took Qwen3.5-35B-A3B bf16 decode from 326 to 397 tok/s with the folded shared
+        expert (bench/results/h200/moe_hybrid.json), bit for bit the same values (libdevice expf /
+        log1pf and IEEE division, as torch's CUDA kernels compute them).
         """
-        if os.environ.get("EMBER_DELTANET_FUSED", "1") != "0":
-            return self._mix_fused(h, conv_state, state)
-        B, T, _ = h.shape
-        qkv, z = self.proj(h).split(self.split, dim=-1)
-        b, a = self.proj_ba(h).split([self.hv, self.hv], dim=-1)
-        # contiguous: the delta-rule kernel reads q/k/v with a unit stride in the head dim (a [B, T, C]
-        # transpose of the conv output has stride T there; prefill read garbage without this copy)
-        qkv = ember.ops.causal_conv1d(qkv.transpose(1, 2), self.conv_weight, conv_state=conv_state,
-                                      activation="silu").transpose(1, 2).contiguous()  # [B, T, conv_dim]
-        kd = self.hk * self.dk
-        q, k, v = qkv.split([kd, kd, self.hv * self.dv], dim=-1)
-        g = self.neg_a * F.softplus(a.float() + self.dt_bias)                          # [B, T, HV] fp32
-        o = ember.ops.gated_delta_rule(q.reshape(B, T, self.hk, self.dk), k.reshape(B, T, self.hk, self.dk),
-                                       v.reshape(B, T, self.hv, self.dv), g, b.sigmoid(), state=state)
-        o = ember.ops.rmsnorm(o, self.norm, self.eps)                                  # [B, T, HV, DV]
-        o = (o.float() * F.silu(z.reshape(B, T, self.hv, self.dv).float())).to(h.dtype)
-        return self.out_proj(o.reshape(B, T, self.hv * self.dv))
-
-    def _mix_fused(self, h: torch.Tensor, conv_state, state) -> torch.Tensor:
-        """``_mix`` in 6 launches at T = 1 (see there)."""
         B, T, _ = h.shape
         qkv, z = self.proj(h).split(self.split, dim=-1)
         b, a = self.proj_ba(h).split([self.hv, self.hv], dim=-1)
@@ -201,8 +170,7 @@ class FoldedSharedMoe(nn.Module):
     shared gate_up, SiLU, multiply, down, multiply, add); folded it is 3. Numerics: the shared
     expert's output joins the float32 sum over experts and its gate stays float32, where the
     unfolded path rounds gate, product and sum to the model dtype (same value up to that rounding).
-    Default at load (EMBER_FOLD_SHARED_EXPERT=0 keeps the unfolded block): on the H200 it took
-    Qwen3.5-35B-A3B bf16 decode from 243 to 299 tok/s (279 -> 354 with the fused DeltaNet mixer).
+    H200, Qwen3.5-35B-A3B bf16 decode: 303 -> 397 tok/s (bench/results/h200/moe_hybrid.json).
     """
 
     def __init__(self, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
@@ -303,10 +271,8 @@ def _layer_types(cfg: dict) -> list[str]:
 
 def attention_config(cfg: dict) -> tuple[_common.AttentionConfig, int]:
     """(attention config, rotary dims per head) from the text config."""
+    _common.check_default_rope(cfg)
     rope = cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (ember implements 'default')")
     if cfg.get("attention_bias", False):
         raise ValueError("config.json: attention_bias=true is not supported for qwen3_5_moe")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -387,9 +353,7 @@ def _build_moe(src: _common.TensorSource, cfg: dict, prefix: str, *, fp8: bool) 
     Is = _int(cfg, "shared_expert_intermediate_size")
     shared = _common.build_dense_mlp(src, f"{prefix}.shared_expert", H, Is, fp8=fp8)
     moe = SharedExpertMoe(routed, shared, src.get(f"{prefix}.shared_expert_gate.weight", (1, H)))
-    if os.environ.get("EMBER_FOLD_SHARED_EXPERT", "1") != "0":
-        return fold_shared_expert(moe) or moe
-    return moe
+    return fold_shared_expert(moe) or moe
 
 
 def _text_names(src: _common.TensorSource) -> _common.TensorSource:
@@ -400,7 +364,7 @@ def _text_names(src: _common.TensorSource) -> _common.TensorSource:
                            if n.startswith("model.language_model.") else n)
 
 
-@_hybrid.missing_as_value_error
+@_common.missing_as_value_error
 def build(src: _common.TensorSource, cfg: dict, *, fp8: bool, max_seq_len: int) -> _hybrid.HybridLM:
     tc = text_config(cfg)
     _common.check_positive(tc, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",

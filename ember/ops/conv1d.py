@@ -87,7 +87,9 @@ def _impl(x, weight, bias, conv_state, activation, channels_last=False, gate_in=
     if not _dispatch.use_triton(x):
         return causal_conv1d_reference(x, weight, bias, conv_state, activation, channels_last, gate_in, gate_out)
     y = _empty_out(x, channels_last)  # the kernel takes y's strides: either layout costs the same
-    _dispatch.kernels("conv1d").causal_conv1d(x, weight, bias, conv_state, y, activation == "silu", gate_in, gate_out)
+    _dispatch.prepare_triton()
+    from ember.kernels import conv1d as kernels
+    kernels.causal_conv1d(x, weight, bias, conv_state, y, activation == "silu", gate_in, gate_out)
     return y
 
 

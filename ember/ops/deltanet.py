@@ -111,7 +111,9 @@ def _impl(q, k, v, g, beta, state, l2norm_qk, a=None, dt_bias=None, neg_a=None, 
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     st = state if state is not None else torch.empty(B, v.shape[2], DK, v.shape[3], dtype=torch.float32,
                                                       device=q.device)
-    _dispatch.kernels("deltanet").gated_delta_rule(
+    _dispatch.prepare_triton()
+    from ember.kernels import deltanet as kernels
+    kernels.gated_delta_rule(
         q, k, v, g if g is not None else a, beta if beta is not None else b, st, out, scale=DK ** -0.5,
         l2norm=l2norm_qk, has_state=state is not None, dt_bias=dt_bias if g is None else None,
         neg_a=neg_a if g is None else None, raw_beta=beta is None)

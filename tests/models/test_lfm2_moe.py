@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import ember
 from ember.models import _common, lfm2_moe
 
 PROMPT_LEN, NEW = 9, 32
@@ -119,17 +120,6 @@ def assert_two_lengths_match_hf(hf, net, vocab):
     a, b = torch.randint(0, vocab, (1, 5)), torch.randint(0, vocab, (1, 12))
     toks, _ = greedy(net, [a[0].tolist(), b[0].tolist()], 10)
     assert toks.tolist() == [hf_greedy(hf, a, 10)[0].tolist(), hf_greedy(hf, b, 10)[0].tolist()]
-
-
-def greedy_per_env(net, monkeypatch, var, prompts, new):
-    """greedy() with ``var`` = "0" and "1" from the same seed (allocate() poisons the caches):
-    ((tokens, logits) with 0, (tokens, logits) with 1)."""
-    out = {}
-    for value in ("0", "1"):
-        monkeypatch.setenv(var, value)
-        torch.manual_seed(1)
-        out[value] = greedy(net, prompts, new)
-    return out["0"], out["1"]
 
 
 def fake_quantized(model):
@@ -287,23 +277,35 @@ def test_triton_kernels_via_interpreter(interpreter, tmp_path):
     assert_greedy_matches_hf(hf, build_net(tmp_path, lfm2_moe), VOCAB, new=8)
 
 
+def torch_composed_conv(conv, h, state):
+    """Oracle for ``ShortConv``: ``out_proj(c * conv(b * x))`` as three ops (the gates outside the conv)."""
+    b, c, x = conv.in_proj(h).chunk(3, dim=-1)
+    y = ember.ops.causal_conv1d((b * x).transpose(1, 2), conv.conv_weight, conv.conv_bias, conv_state=state)
+    return conv.out_proj(c * y.transpose(1, 2))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_conv_fused_equals_unfused_interpreter(interpreter, monkeypatch, tmp_path, dtype):
-    """EMBER_LFM2_CONV_FUSED=1 (gates inside the conv kernel) vs the three-op path, through the kernels:
-    the same logits bit for bit (same roundings, same sums), prefill and decode."""
-    build_hf(lfm2_config()).save_pretrained(tmp_path)
-    net = build_net(tmp_path, lfm2_moe, dtype=dtype)
-    prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist(), torch.randint(0, VOCAB, (4,)).tolist()]
-    (t0, l0), (t1, l1) = greedy_per_env(net, monkeypatch, "EMBER_LFM2_CONV_FUSED", prompts, 3)
-    assert torch.equal(t0, t1) and torch.equal(l0, l1)
-
-
-def test_conv_unfused_reference_path_matches_transformers(pair, monkeypatch):
-    """The three-op gated conv kept behind EMBER_LFM2_CONV_FUSED=0 (the default fused path is the
-    ``pair`` tests' subject)."""
-    hf, net, _ = pair
-    monkeypatch.setenv("EMBER_LFM2_CONV_FUSED", "0")
-    assert_greedy_matches_hf(hf, net, VOCAB, new=8)
+@pytest.mark.parametrize("T", [1, 9])
+def test_gated_conv_equals_three_ops_interpreter(interpreter, tmp_path, dtype, T):
+    """The gated conv in one launch (gates inside the conv kernel) vs the three ops, through the kernels:
+    the same outputs and conv state bit for bit (same roundings, same sums), prefill and decode."""
+    build_hf(lfm2_config(conv_bias=True)).save_pretrained(tmp_path)
+    conv = build_net(tmp_path, lfm2_moe, dtype=dtype).layers[0].attn
+    assert isinstance(conv, lfm2_moe.ShortConv)
+    B = 2
+    h = torch.randn(B, T, 64).to(dtype)
+    (spec, dt), = conv.cache_spec(B, 16, dtype)
+    states = [torch.randn(spec).to(dt), None]
+    states[1] = states[0].clone()
+    with torch.no_grad():
+        if T == 1:
+            got = conv.decode(h[:, 0], None, None, None, None, (states[0],))[:, None]
+        else:
+            got = conv.prefill(h, None, None, (states[0],))
+            states[1].zero_()
+        want = torch_composed_conv(conv, h, states[1])
+    assert torch.equal(got, want)
+    assert torch.equal(states[0], states[1])
 
 
 # ----------------------------------------------------------------------------- GPU

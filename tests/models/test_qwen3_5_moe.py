@@ -6,11 +6,13 @@ import collections
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import ember
 from ember.models import _common, qwen3_5_moe
 from tests.models.test_lfm2_moe import (NEW, PROMPT_LEN, allocate, assert_forward_matches_hf, assert_greedy_matches_hf,
                                         assert_two_lengths_match_hf, build_net, close, fake_quantized,
-                                        graph_decode_matches_eager, greedy, greedy_per_env, hf_logits, randomize)
+                                        graph_decode_matches_eager, greedy, hf_logits, randomize)
 
 VOCAB = 96
 
@@ -205,37 +207,60 @@ def test_triton_kernels_via_interpreter(interpreter, tmp_path):
     assert_greedy_matches_hf(hf, build_net(tmp_path, qwen3_5_moe), VOCAB, new=8)
 
 
-# ----------------------------------------------------------------------------- EMBER_DELTANET_FUSED
-def _greedy_both_paths(net, monkeypatch, prompts, new):
-    """greedy() with EMBER_DELTANET_FUSED=0 and =1 from the same seed."""
-    return greedy_per_env(net, monkeypatch, "EMBER_DELTANET_FUSED", prompts, new)
+# ----------------------------------------------------------------------------- the DeltaNet mixer's launches
+def torch_composed_mix(mixer, h, conv_state, state):
+    """Oracle for ``GatedDeltaNet``: the same math as separate ops (the gates in torch, the plain conv,
+    the delta rule given g and beta, then RMSNorm and the silu(z) gate), 16 launches at T = 1."""
+    B, T, _ = h.shape
+    qkv, z = mixer.proj(h).split(mixer.split, dim=-1)
+    b, a = mixer.proj_ba(h).split([mixer.hv, mixer.hv], dim=-1)
+    qkv = ember.ops.causal_conv1d(qkv.transpose(1, 2), mixer.conv_weight, conv_state=conv_state,
+                                  activation="silu").transpose(1, 2).contiguous()
+    kd = mixer.hk * mixer.dk
+    q, k, v = qkv.split([kd, kd, mixer.hv * mixer.dv], dim=-1)
+    g = mixer.neg_a * F.softplus(a.float() + mixer.dt_bias)
+    o = ember.ops.gated_delta_rule(q.reshape(B, T, mixer.hk, mixer.dk), k.reshape(B, T, mixer.hk, mixer.dk),
+                                   v.reshape(B, T, mixer.hv, mixer.dv), g, b.sigmoid(), state=state)
+    o = ember.ops.rmsnorm(o, mixer.norm, mixer.eps)
+    o = (o.float() * F.silu(z.reshape(B, T, mixer.hv, mixer.dv).float())).to(h.dtype)
+    return mixer.out_proj(o.reshape(B, T, mixer.hv * mixer.dv))
 
 
-def test_fused_reference_path_is_identical(pair, monkeypatch):
-    """On CPU without Triton both paths run the same torch math: identical logits."""
-    _, net, _ = pair
-    prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist(), torch.randint(0, VOCAB, (4,)).tolist()]
-    (t0, l0), (t1, l1) = _greedy_both_paths(net, monkeypatch, prompts, 6)
-    assert torch.equal(t0, t1) and torch.equal(l0, l1)
+def _mixer_vs_composed(mixer, h, cache):
+    """(mixer output, composed output, mixer cache, composed cache): decode at T = 1 from the cache's
+    states, prefill (states from zeros) otherwise."""
+    caches = [cache, tuple(t.clone() for t in cache)]
+    with torch.no_grad():
+        if h.shape[1] == 1:
+            got = mixer.decode(h[:, 0], None, None, None, None, caches[0])[:, None]
+        else:
+            got = mixer.prefill(h, None, None, caches[0])
+            for t in caches[1]:
+                t.zero_()
+        want = torch_composed_mix(mixer, h, *caches[1])
+    return got, want, caches[0], caches[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_decode_matches_default_interpreter(interpreter, monkeypatch, tmp_path, dtype):
-    """Prefill (T = 9 and 5) and decode of the tiny model through the kernels, fused vs default.
-    bf16: identical logits. fp32: the interpreter's exp (numpy) differs from torch's CPU exp in the
-    last bit for ~40% of inputs, which the default path's torch gates and silu use and the fused
-    kernels do not (on the GPU both are CUDA's expf, see the gpu test); measured 3.3e-6 of the
-    largest logit on the 4-layer tiny model, bounded at 1e-5 (~80 fp32 ulps), with the same tokens. Two DeltaNet layers and
-    two experts keep the interpreter (MoE kernels ~60% of its time) within the file's CPU budget."""
+@pytest.mark.parametrize("T", [1, 9])
+def test_mixer_matches_composed_ops_interpreter(interpreter, tmp_path, dtype, T):
+    """The mixer (gates in the delta-rule kernel, gated norm, channels-last conv) against the composed
+    ops, both through the kernels. The interpreter's exp (numpy) differs from torch's CPU exp in the
+    last bit for ~40% of inputs, which the composed gates and silu use and the mixer's kernels do not
+    (on the GPU both are CUDA's expf: the gpu test is bit-exact): the fp32 state and fp32 outputs agree
+    to 1e-5 of their largest value (~80 fp32 ulps), bf16 outputs exactly."""
     build_hf("text", num_hidden_layers=2, num_experts=2, num_experts_per_tok=1).save_pretrained(tmp_path)
-    net = build_net(tmp_path, qwen3_5_moe, dtype=dtype)
-    prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist(), torch.randint(0, VOCAB, (5,)).tolist()]
-    (t0, l0), (t1, l1) = _greedy_both_paths(net, monkeypatch, prompts, 4)
-    assert torch.equal(t0, t1)
+    mixer = build_net(tmp_path, qwen3_5_moe, dtype=dtype).layers[0].attn
+    assert isinstance(mixer, qwen3_5_moe.GatedDeltaNet)
+    B = 2
+    cache = tuple((torch.randn(s) * 0.1).to(d) for s, d in mixer.cache_spec(B, 16, dtype))
+    got, want, c_got, c_want = _mixer_vs_composed(mixer, torch.randn(B, T, 64).to(dtype), cache)
+    assert torch.equal(c_got[0], c_want[0])  # the conv state: the projection's values, copied
+    assert close(c_got[1], c_want[1], rel=1e-5)  # the fp32 recurrent state (the exp above)
     if dtype == torch.bfloat16:
-        assert torch.equal(l0, l1)
+        assert torch.equal(got, want)
     else:
-        assert close(l1, l0, rel=1e-5)
+        assert close(got, want, rel=1e-5)
 
 
 def _count_launches(fn):
@@ -271,32 +296,30 @@ def _count_launches(fn):
 
 
 @pytest.mark.parametrize("B", [1, 3])
-def test_fused_path_launch_count(interpreter, monkeypatch, tmp_path, B):
-    """One DeltaNet decode step (T = 1) in bf16: 16 launches unfused, 6 fused (the default; the figure in
-    GatedDeltaNet._mix's docstring)."""
+def test_mixer_launch_count(interpreter, tmp_path, B):
+    """One DeltaNet decode step (T = 1) in bf16: 6 launches (the figure in GatedDeltaNet._mix's
+    docstring), against the composed ops' 16."""
     build_hf("text").save_pretrained(tmp_path)
     net = build_net(tmp_path, qwen3_5_moe, dtype=torch.bfloat16)
     mixer = net.layers[0].attn
     assert isinstance(mixer, qwen3_5_moe.GatedDeltaNet)
     cache = tuple(torch.zeros(s, dtype=d) for s, d in mixer.cache_spec(B, 16, torch.bfloat16))
     h = torch.randn(B, 64, dtype=torch.bfloat16)
-    counts = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("EMBER_DELTANET_FUSED", fused)
-        counts[fused] = _count_launches(lambda: mixer.decode(h, None, None, None, None, cache))
+    counts = {"mixer": _count_launches(lambda: mixer.decode(h, None, None, None, None, cache)),
+              "composed": _count_launches(lambda: torch_composed_mix(mixer, h[:, None], *cache))}
     # the three projections: the GEMV kernel for one row, F.linear (aten::mm) for more
     projections = {"gemv_kernel": 3} if B == 1 else {"aten::mm": 3}
-    ops, launches = counts["0"]
+    ops, launches = counts["mixer"]
+    assert ops + launches == collections.Counter({
+        **projections, "_causal_conv1d_kernel": 1, "_gated_delta_rule_kernel": 1, "_rmsnorm_gated_kernel": 1})
+    ops, launches = counts["composed"]
     # a.float(), + dt_bias, softplus, * neg_a; b.sigmoid(); o.float(), z.float(), silu, *, .to()
     assert ops + launches == collections.Counter({
         **projections, "_causal_conv1d_kernel": 1, "_gated_delta_rule_kernel": 1, "_add_rmsnorm_kernel": 1,
         "aten::_to_copy": 4, "aten::add.Tensor": 1, "aten::softplus": 1, "aten::mul.Tensor": 2, "aten::sigmoid": 1,
         "aten::silu": 1})
-    ops, launches = counts["1"]
-    assert ops + launches == collections.Counter({
-        **projections, "_causal_conv1d_kernel": 1, "_gated_delta_rule_kernel": 1, "_rmsnorm_gated_kernel": 1})
-    total = {f: sum(o.values()) + sum(n.values()) for f, (o, n) in counts.items()}
-    assert total == {"0": 16, "1": 6}
+    total = {k: sum(o.values()) + sum(n.values()) for k, (o, n) in counts.items()}
+    assert total == {"mixer": 6, "composed": 16}
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -320,21 +343,6 @@ def test_gpu_kernels_match_transformers_fp32(cuda, tmp_path):
     assert_greedy_matches_hf(hf.to(cuda), net, VOCAB)
 
 
-@pytest.mark.gpu
-def test_gpu_fused_decode_bit_exact_and_cuda_graph(cuda, tmp_path, monkeypatch):
-    """The tiny model in bf16 on the GPU: the fused mixer (the default) gives the unfused path's logits
-    bit for bit (prefill and decode), and its CUDA-graph decode equals its eager decode."""
-    build_hf("text").save_pretrained(tmp_path)
-    net = build_net(tmp_path, qwen3_5_moe, dtype=torch.bfloat16, device=cuda)
-    prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist(), torch.randint(0, VOCAB, (5,)).tolist()]
-    (t0, l0), (t1, l1) = _greedy_both_paths(net, monkeypatch, prompts, NEW)
-    assert torch.equal(t0, t1) and torch.equal(l0, l1)
-    monkeypatch.setenv("EMBER_DELTANET_FUSED", "1")
-    e_toks, g_toks, e_logits, g_logits = graph_decode_matches_eager(net, prompts[0], NEW)
-    assert g_toks == e_toks
-    assert torch.equal(g_logits, e_logits)
-
-
 def _qwen35_deltanet(device, dtype=torch.bfloat16):
     """One GatedDeltaNet at Qwen3.5-35B-A3B's shapes (H 2048, 16 key / 32 value heads of 128, conv
     K = 4) with random weights."""
@@ -353,28 +361,23 @@ def _qwen35_deltanet(device, dtype=torch.bfloat16):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T", [(1, 1), (4, 1), (1, 300)])
-def test_gpu_fused_mixer_bit_exact_qwen35_shapes(cuda, monkeypatch, B, T):
+def test_gpu_mixer_bit_exact_qwen35_shapes(cuda, B, T):
+    """At Qwen3.5-35B-A3B's shapes on the GPU the mixer equals the composed ops bit for bit (outputs
+    and both states)."""
     mixer = _qwen35_deltanet(cuda)
     h = torch.randn(B, T, 2048, device=cuda, dtype=torch.bfloat16)
-    states = [tuple(torch.randn(s, device=cuda).to(d) * 0.1 for s, d in mixer.cache_spec(B, 16, torch.bfloat16))]
-    states.append(tuple(t.clone() for t in states[0]))
-    outs = []
-    with torch.no_grad():
-        for fused, (conv_state, state) in zip(("0", "1"), states):
-            monkeypatch.setenv("EMBER_DELTANET_FUSED", fused)
-            outs.append(mixer._mix(h, conv_state, state))
-    assert torch.equal(outs[0], outs[1])
-    assert all(torch.equal(a, b) for a, b in zip(*states))
+    cache = tuple(torch.randn(s, device=cuda).to(d) * 0.1 for s, d in mixer.cache_spec(B, 16, torch.bfloat16))
+    got, want, c_got, c_want = _mixer_vs_composed(mixer, h, cache)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(c_got, c_want))
 
 
 @pytest.mark.gpu
-def test_gpu_fused_mixer_cuda_graph_qwen35_shapes(cuda, monkeypatch):
-    """A captured fused decode step (env read at capture) replayed on new inputs equals the eager
-    unfused path, bit for bit."""
+def test_gpu_mixer_cuda_graph_qwen35_shapes(cuda):
+    """A captured decode step replayed on new inputs equals the eager composed ops, bit for bit."""
     mixer = _qwen35_deltanet(cuda)
     h = torch.randn(1, 2048, device=cuda, dtype=torch.bfloat16)
     cache = tuple(torch.randn(s, device=cuda).to(d) * 0.1 for s, d in mixer.cache_spec(1, 16, torch.bfloat16))
-    monkeypatch.setenv("EMBER_DELTANET_FUSED", "1")
     with torch.no_grad():
         saved = tuple(t.clone() for t in cache)
         mixer.decode(h, None, None, None, None, cache)  # compile outside capture
@@ -385,41 +388,45 @@ def test_gpu_fused_mixer_cuda_graph_qwen35_shapes(cuda, monkeypatch):
         with torch.cuda.graph(graph):
             out = mixer.decode(h, None, None, None, None, cache)
         ref_cache = tuple(t.clone() for t in cache)
-        monkeypatch.setenv("EMBER_DELTANET_FUSED", "0")
         for _ in range(3):
             h.copy_(torch.randn_like(h))
             graph.replay()
-            exp = mixer.decode(h, None, None, None, None, ref_cache)
+            exp = torch_composed_mix(mixer, h[:, None], *ref_cache)[:, 0]
             assert torch.equal(out, exp)
         assert all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
 
 
-# ----------------------------------------------------------------------------- EMBER_FOLD_SHARED_EXPERT
-def test_folded_shared_expert_matches_transformers(monkeypatch, tmp_path):
+# ----------------------------------------------------------------------------- the folded shared expert
+def build_unfolded(path, monkeypatch, **kw):
+    """The net with the shared expert kept as its own MLP (``fold_shared_expert`` declining): the
+    reference the folded block is compared with."""
+    with monkeypatch.context() as m:
+        m.setattr(qwen3_5_moe, "fold_shared_expert", lambda moe: None)
+        return build_net(path, qwen3_5_moe, **kw)
+
+
+def test_folded_shared_expert_matches_transformers(tmp_path):
     """The shared expert stored as expert E (gate as router row E): transformers' greedy tokens, fp32."""
     hf = build_hf("text", shared_expert_intermediate_size=32)  # = moe_intermediate_size: foldable
     hf.save_pretrained(tmp_path)
-    monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", "1")
     net = build_net(tmp_path, qwen3_5_moe)
     assert all(isinstance(layer.mlp, qwen3_5_moe.FoldedSharedMoe) for layer in net.layers)
     assert net.layers[0].mlp.w_gate_up.shape[0] == 9 and net.layers[0].mlp.router.shape[0] == 9
     assert_greedy_matches_hf(hf, net, VOCAB)
 
 
-def test_fold_skipped_when_the_shared_expert_is_wider(pair, monkeypatch):
+def test_fold_skipped_when_the_shared_expert_is_wider(pair):
     """shared_expert_intermediate_size 48 != 32: nothing to fold, the block stays as it is."""
-    _, _, path = pair
-    monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", "1")
-    net = build_net(path, qwen3_5_moe)
+    _, net, _ = pair
     assert all(isinstance(layer.mlp, qwen3_5_moe.SharedExpertMoe) for layer in net.layers)
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference", "interpreter"])
-def test_folded_fp8_shared_expert_matches_unfolded(monkeypatch, tmp_path, kernels):
+def test_folded_fp8_shared_expert_matches_unfolded(request, monkeypatch, tmp_path, kernels):
     """FP8 on load (row scales): the shared expert folds in with its own scales as expert E, giving the
     unfolded fp8 block's logits up to fp32 summation order (through the Triton kernels too)."""
     if kernels:
-        monkeypatch.setenv("EMBER_FORCE_TRITON", "1")
+        request.getfixturevalue("interpreter")
     _assert_fp8_fold_matches_unfolded(monkeypatch, tmp_path, "cpu")
 
 
@@ -431,17 +438,15 @@ def test_gpu_folded_fp8_shared_expert_matches_unfolded(cuda, monkeypatch, tmp_pa
 def _assert_fp8_fold_matches_unfolded(monkeypatch, tmp_path, device):
     build_hf("text", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
              shared_expert_intermediate_size=32).save_pretrained(tmp_path)
-    nets = {}
-    for fold in ("0", "1"):
-        monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", fold)
-        nets[fold] = build_net(tmp_path, qwen3_5_moe, fp8=True, device=device)
-    folded = [layer.mlp for layer in nets["1"].layers]
+    nets = {"unfolded": build_unfolded(tmp_path, monkeypatch, fp8=True, device=device),
+            "folded": build_net(tmp_path, qwen3_5_moe, fp8=True, device=device)}
+    folded = [layer.mlp for layer in nets["folded"].layers]
     assert all(isinstance(m, qwen3_5_moe.FoldedSharedMoe) and m.gate_up_scale is not None for m in folded)
     assert folded[0].gate_up_scale.shape[0] == folded[0].w_gate_up.shape[0] == 5
-    assert isinstance(nets["0"].layers[0].mlp, qwen3_5_moe.SharedExpertMoe)
+    assert isinstance(nets["unfolded"].layers[0].mlp, qwen3_5_moe.SharedExpertMoe)
     ids = torch.randint(0, VOCAB, (2, 9), device=device)
     with torch.no_grad():
-        unfolded_logits, folded_logits = nets["0"].prefill(ids), nets["1"].prefill(ids)
+        unfolded_logits, folded_logits = nets["unfolded"].prefill(ids), nets["folded"].prefill(ids)
     assert close(folded_logits, unfolded_logits, rel=1e-5)
 
 
@@ -449,8 +454,7 @@ def test_fp8_fold_needs_matching_scale_layouts(monkeypatch, tmp_path):
     """Routed experts with row scales and a shared expert with 128-block scales: not folded."""
     from ember.nn import Fp8Linear
     build_hf("text", shared_expert_intermediate_size=32).save_pretrained(tmp_path)
-    monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", "0")
-    moe = build_net(tmp_path, qwen3_5_moe, fp8=True).layers[0].mlp
+    moe = build_unfolded(tmp_path, monkeypatch, fp8=True).layers[0].mlp
     assert qwen3_5_moe.fold_shared_expert(moe) is not None
     gu = moe.shared.gate_up
     moe.shared.gate_up = Fp8Linear.from_fp8(gu.weight, torch.ones(1, 1), dtype=torch.float32)  # one 128-block
@@ -463,14 +467,11 @@ def test_folded_shared_expert_kernels_interpreter(interpreter, monkeypatch, tmp_
     unfolded model, logits within fp32 summation-order differences."""
     build_hf("text", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
              shared_expert_intermediate_size=32).save_pretrained(tmp_path)
-    nets = {}
-    for fold in ("0", "1"):
-        monkeypatch.setenv("EMBER_FOLD_SHARED_EXPERT", fold)
-        nets[fold] = build_net(tmp_path, qwen3_5_moe)
-    assert isinstance(nets["1"].layers[0].mlp, qwen3_5_moe.FoldedSharedMoe)
+    nets = {"unfolded": build_unfolded(tmp_path, monkeypatch), "folded": build_net(tmp_path, qwen3_5_moe)}
+    assert isinstance(nets["folded"].layers[0].mlp, qwen3_5_moe.FoldedSharedMoe)
     prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,)).tolist()]
     out = []
-    for f in ("0", "1"):
+    for f in ("unfolded", "folded"):
         torch.manual_seed(1)  # allocate() poisons the caches from the global generator
         out.append(greedy(nets[f], prompts, 4))
     (t0, l0), (t1, l1) = out

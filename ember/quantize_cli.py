@@ -10,8 +10,16 @@ stacks them; embeddings, norms, routers, the shared-expert gate, convolutions, l
 vision / multi-token-prediction weights are copied unchanged. config.json gains ``quantization_config`` {quant_method: fp8,
 weight_block_size: [128, 128]}; tokenizer and generation files are copied.
 
+DIR may be a Hugging Face repo id (``org/name``, ``--revision``), read through the local cache.
+The input is never modified: OUT may not be DIR, lie inside it or contain it; a non-empty OUT needs
+``--overwrite`` (its stale checkpoint files are then replaced, other files kept). The source is
+validated as ``ember.load`` would before anything is written, and the new checkpoint is written to a
+temporary directory beside OUT and renamed into place, so a failure leaves nothing behind. Errors
+exit with status 2 and one line naming the culprit.
+
 Example:
     $ ember quantize ./Qwen3-30B-A3B ./Qwen3-30B-A3B-fp8 --fp8
+    $ ember quantize Qwen/Qwen3-30B-A3B ./Qwen3-30B-A3B-fp8 --fp8 --revision main
 """
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
 """Decode attention ops: reference vs float64 math, Triton kernels (interpreter on CPU, real shapes on GPU)."""
-import math
 
 import pytest
 import torch

@@ -16,23 +16,25 @@ experts' weights, two einsums), captured in a graph too; for fp8 the same loop d
 gathered experts first. For prefill the baseline is the eager per-expert loop (transformers-style:
 find the tokens of each expert, two linears), which syncs and so is timed eagerly with CUDA events.
 
-T=1 kernel variants: the default rows run the v2 GEMV kernels (analysis and figures at
-``ember.kernels.moe._t1_v2_config``); the ``_v1`` rows time the older v1 kernels (``EMBER_MOE_T1=v1``)
-in the same run, with ``default_speedup`` = v1 time / default time. ``sweep()`` times v1 and several
-v2 configs at T=1 (bf16 and fp8 with 128x128 block and row scales), and grouped-GEMM tile configs for
-a 2048-token prefill; the winners are GPU_CONFIG in ember/kernels/moe.py.
+T=1 kernel variants: the default rows run the kernels the tuning data picks (entry "t1": v1 for
+bf16, v2 for fp8 on the H200; analysis and figures at ``ember.kernels.moe.gemv_v2.v2_tiles``); the
+``_v1`` rows time the v1 kernels in the same run (``ember.tuning.override``), with
+``default_speedup`` = v1 time / default time. ``sweep()`` times v1 and several v2 configs at T=1
+(bf16 and fp8 with 128x128 block and row scales), and grouped-GEMM tile configs for a 2048-token
+prefill; the winners are the H200's entries in ember/tuning/data/sm_90-nvidia-h200/moe.json.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
-from ember.bench import BenchContext, Row, _timing, env_vars
+from ember import tuning
+from ember.bench import BenchContext, Row, _timing
 
 COPY_BW_GBPS = 4155.0
 E, K, H, I = 128, 8, 2048, 768
@@ -103,9 +105,24 @@ def _quantize_blocks(w):
     return (w.float() / _expand(s, w.shape)).to(FP8), s
 
 
-def t1_kernels(spec: str | None):
-    """Run the block with ``EMBER_MOE_T1=spec`` (None: the configured default); restores the old value."""
-    return env_vars({"EMBER_MOE_T1": spec})
+def _kernels():
+    return importlib.import_module("ember.kernels.moe")
+
+
+def t1_kernels(spec: tuple | str | None, device: torch.device | None = None):
+    """Run the block with other T=1 kernels (read at launch, so also while a graph is captured):
+    None the tuning data's, "v1" or "v2" those kernels for every weight dtype, or
+    ``("v2", gate_up_warps, gate_up_rows, down_warps, down_rows)`` the v2 kernels with those tiles."""
+    if spec is None:
+        return contextlib.nullcontext()
+    name, *tile = (spec,) if isinstance(spec, str) else spec
+    entries = {"t1": {"GEMV": name, "GEMV_FP8": name}}
+    if tile:
+        k = _kernels()
+        gw, gr, dw, dr = tile
+        entries["gemv_v2_gate_up"] = {**k.tiles("gemv_v2_gate_up", device), "num_warps": gw, "ROWS": gr, "ROWS_FP8": gr}
+        entries["gemv_v2_down"] = {**k.tiles("gemv_v2_down", device), "num_warps": dw, "ROWS": dr, "ROWS_FP8": dr}
+    return tuning.override("moe", entries)
 
 
 def _distinct_experts(logits_list, top_k):
@@ -174,9 +191,9 @@ def run(ctx: BenchContext) -> list[Row]:
     return rows
 
 
-# T=1 configs for sweep(): (EMBER_MOE_T1 spec, label); v2 specs are gate_up warps, rows, down warps, rows
-SWEEP_T1 = [("v1", "v1 (default)"), ("v2", "v2 default config")] + [
-    (f"v2,{gw},{gr},{dw},{dr}", f"v2 gu {gw}w x{gr} dn {dw}w x{dr}")
+# T=1 configs for sweep(): (t1_kernels spec, label); v2 tiles are gate_up warps, rows, down warps, rows
+SWEEP_T1 = [("v1", "v1"), ("v2", "v2 tuned config")] + [
+    (("v2", gw, gr, dw, dr), f"v2 gu {gw}w x{gr} dn {dw}w x{dr}")
     for gw, gr, dw, dr in [(2, 1, 2, 1), (4, 2, 4, 1), (8, 1, 4, 1), (4, 1, 2, 1), (4, 1, 8, 1), (2, 1, 4, 2),
                            (8, 1, 8, 1), (4, 2, 4, 2)]]
 
@@ -207,12 +224,13 @@ def sweep(path: str | None = None, budget_s: float = 120.0, parts: tuple[str, ..
             if time.time() - t0 > budget_s:
                 break
             try:
-                with t1_kernels(spec):
+                with t1_kernels(spec, dev):
                     # same op, other kernels: only summation order (and so an odd bf16 rounding) differs
                     diff = (calls[0]().float() - expected).abs().max().item()
-                    table.append((_timing.graph_time_us(calls, replays=25), spec, f"{name}; max|out - v1| {diff:.3g}"))
+                    table.append((_timing.graph_time_us(calls, replays=25), str(spec),
+                                  f"{name}; max|out - v1| {diff:.3g}"))
             except Exception as exc:  # a config that fails to compile is reported, not fatal
-                table.append((float("inf"), spec, f"{name}: {type(exc).__name__}: {exc}"[:200]))
+                table.append((float("inf"), str(spec), f"{name}: {type(exc).__name__}: {exc}"[:200]))
         floor = 8 * 3 * H * I * (2 if dtype == torch.bfloat16 else 1) / COPY_BW_GBPS / 1e3
         table.sort(key=lambda r: r[0])
         results[f"T1_{wlabel}"] = {"floor_us": floor, "table": table}
@@ -231,60 +249,66 @@ def sweep(path: str | None = None, budget_s: float = 120.0, parts: tuple[str, ..
 
 
 # Prefill tile sweep for sweep(): per row-block cap, gate_up tiles (down at the default), then down
-# tiles (gate_up at the default), then the best of each together. Fields: BLOCK_N, BLOCK_K, warps,
+# tiles (gate_up at the default), then the best of each together. Tiles: BLOCK_N, BLOCK_K, warps,
 # stages (ember.kernels.moe.prefill_configs); shared memory per stage is (BLOCK_M x BLOCK_K + 2 (gate_up)
 # or 1 (down) x BLOCK_K x BLOCK_N) x 2 bytes of the 227 KB, the fp32 accumulators 2 or 1 x BLOCK_M x
 # BLOCK_N over the threads' registers.
 SWEEP_PREFILL = {
-    128: {"gate_up": ["128,64,8,4", "128,64,8,3", "64,64,4,4", "64,128,4,3", "64,64,8,4", "128,32,8,6"],
-          "down": ["128,64,8,4", "256,64,8,3", "256,64,8,4", "128,128,8,3", "256,128,8,2", "64,64,4,4"]},
-    64: {"gate_up": ["128,64,4,4", "128,64,4,5", "64,64,4,4", "128,128,4,2", "64,128,4,3"],
-         "down": ["128,64,4,4", "256,64,8,4", "256,64,4,4", "128,128,4,3", "256,128,8,2"]},
+    128: {"gate_up": [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 64, 8, 4), (128, 32, 8, 6)],
+          "down": [(128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4), (128, 128, 8, 3), (256, 128, 8, 2), (64, 64, 4, 4)]},
+    64: {"gate_up": [(128, 64, 4, 4), (128, 64, 4, 5), (64, 64, 4, 4), (128, 128, 4, 2), (64, 128, 4, 3)],
+         "down": [(128, 64, 4, 4), (256, 64, 8, 4), (256, 64, 4, 4), (128, 128, 4, 3), (256, 128, 8, 2)]},
 }
+TILE_FIELDS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def _tile(fields: tuple) -> dict:
+    return dict(zip(TILE_FIELDS, fields))
+
+
+def prefill_override(device: torch.device, **parts):
+    """Run the block with other prefill tiles for ``device``'s prefill entry: ``gate_up`` / ``down``
+    (dicts of TILE_FIELDS) and ``max_block_m``, the rest as the tuning data has them."""
+    k = _kernels()
+    key = "prefill:large_smem" if device.type == "cuda" and k.config.large_smem(device) else "prefill"
+    return tuning.override("moe", {key: {**k.tiles(key, device), **parts}})
 
 
 def _sweep_prefill(moe, dev, budget_s: float, T: int = 2048) -> dict:
-    """Time grouped-GEMM tiles for a T-token bf16 prefill (EMBER_MOE_PREFILL_TILE per variant).
+    """Time grouped-GEMM tiles for a T-token bf16 prefill (one ``prefill_override`` per variant).
 
     Floors per layer: all 128 experts' weights, 1.21 GB at 4.15 TB/s -> 291 us, and
     2 x T x 8 x 3 x 2048 x 768 = 155 GFLOP at 790 TFLOP/s -> 196 us."""
-    kmod = importlib.import_module("ember.kernels.moe")
     ws = _layers(2, torch.bfloat16, dev, E, H, I)
     xs = [torch.randn(T, H, device=dev, dtype=torch.bfloat16) for _ in ws]
     logits = [torch.randn(T, E, device=dev) for _ in ws]
     calls = [lambda x=x, lg=lg, w=w: moe(x, lg, w[0], w[1], K) for x, lg, w in zip(xs, logits, ws)]
-    default = kmod.prefill_configs(dev)
+    default = _kernels().prefill_configs(dev)
     expected = calls[0]().float()
     flops = 2 * T * K * 3 * H * I
-    table, t0, saved = [], time.time(), os.environ.get(kmod.PREFILL_TILE_ENV)
+    table, t0 = [], time.time()
 
-    def timed(spec: str) -> float:
-        os.environ[kmod.PREFILL_TILE_ENV] = spec
-        try:
-            diff = (calls[0]().float() - expected).abs().max().item()
-            us = _timing.graph_time_us(calls, replays=10)
-            table.append((us, spec, f"{flops / us / 1e6:.0f} TFLOP/s; max|out - default| {diff:.3g}"))
-        except Exception as exc:  # a tile that does not fit is reported, not fatal
-            us = float("inf")
-            table.append((us, spec, f"{type(exc).__name__}: {exc}"[:200]))
-        print(f"  {us:.1f} us  {spec}", flush=True)
+    def timed(parts: dict) -> float:
+        label = ";".join(f"{k}={v}" for k, v in parts.items())
+        with prefill_override(dev, **parts):
+            try:
+                diff = (calls[0]().float() - expected).abs().max().item()
+                us = _timing.graph_time_us(calls, replays=10)
+                table.append((us, label, f"{flops / us / 1e6:.0f} TFLOP/s; max|out - default| {diff:.3g}"))
+            except Exception as exc:  # a tile that does not fit is reported, not fatal
+                us = float("inf")
+                table.append((us, label, f"{type(exc).__name__}: {exc}"[:200]))
+        print(f"  {us:.1f} us  {label}", flush=True)
         return us
 
-    try:
-        for block_m, parts in SWEEP_PREFILL.items():
-            best = {}
-            for kernel, other in (("gate_up", "down"), ("down", "gate_up")):
-                fixed = ",".join(str(default[other][f]) for f in kmod._TILE_FIELDS.split(","))
-                results = [(timed(f"{kernel}={tile};{other}={fixed};max_block_m={block_m}"), tile)
-                           for tile in parts[kernel] if time.time() - t0 < budget_s]
-                best[kernel] = min(results)[1] if results else None
-            if best["gate_up"] and best["down"]:
-                timed(f"gate_up={best['gate_up']};down={best['down']};max_block_m={block_m}")
-    finally:
-        if saved is None:
-            os.environ.pop(kmod.PREFILL_TILE_ENV, None)
-        else:
-            os.environ[kmod.PREFILL_TILE_ENV] = saved
+    for block_m, kernels in SWEEP_PREFILL.items():
+        best = {}
+        for kernel, other in (("gate_up", "down"), ("down", "gate_up")):
+            results = [(timed({kernel: _tile(tile), other: default[other], "max_block_m": block_m}), tile)
+                       for tile in kernels[kernel] if time.time() - t0 < budget_s]
+            best[kernel] = min(results)[1] if results else None
+        if best["gate_up"] and best["down"]:
+            timed({"gate_up": _tile(best["gate_up"]), "down": _tile(best["down"]), "max_block_m": block_m})
     table.sort(key=lambda r: r[0])
     print(f"T{T}_bf16_prefill (default {default})", *[f"{t:.1f} us  {c}  {n}" for t, c, n in table[:8]],
           sep="\n  ", flush=True)

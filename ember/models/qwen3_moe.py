@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +41,9 @@ class SparseMoe(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])                                       # [T, H]
-        if x.shape[0] <= moe_ops.DECODE_MAX_TOKENS and os.environ.get("EMBER_ROUTER_FUSED", "1") == "1":
-            # decode: router GEMV + routing in one launch (EMBER_ROUTER_FUSED=0: cuBLAS + route kernel)
+        if x.shape[0] <= moe_ops.DECODE_MAX_TOKENS:
+            # decode: router GEMV + routing in one launch (H200 step 2.734-2.743 ms vs 2.804-2.807 for
+            # cuBLAS + the route kernel, bench/results/h200/step_variants_pdl.json)
             w, ids = moe_ops.moe_route_hidden(x, self.router, self.top_k, renormalize=self.renormalize)
             y = moe_ops.moe_experts(x, self.w_gate_up, self.w_down, w, ids, gate_up_scale=self.gate_up_scale,
                                     down_scale=self.down_scale, check=False)
@@ -64,30 +64,6 @@ class SparseMoe(nn.Module):
         return add_norm_route_experts(self, a, residual, norm_weight, eps, next_norm_weight,
                                       renormalize=self.renormalize)
 
-    def linear_route_ok(self, linear: nn.Module, rows: int) -> bool:
-        """Whether :meth:`linear_add_norm_forward_prescaled` takes ``linear``'s input (read per call, so
-        while capturing): opt-in ``EMBER_LINEAR_ROUTE=1`` (nor the router folds it builds on off), one
-        row, an unbiased bf16/fp16/fp32 Linear or row-scaled weight-only Fp8Linear. Off by default:
-        the H200 Qwen3-30B-A3B step measured slower with it, fp8 1.97 vs 1.80 ms, bf16 2.30 vs 2.21
-        (ember/kernels/linear_route.py says why)."""
-        return (rows == 1 and os.environ.get("EMBER_LINEAR_ROUTE", "0") == "1"
-                and all(os.environ.get(k, "1") != "0" for k in ("EMBER_ROUTER_FUSED", "EMBER_NORM_ROUTE_FUSED"))
-                and _common.weight_and_row_scale(linear) is not None)
-
-    def linear_add_norm_forward_prescaled(self, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor,
-                                          norm_weight: torch.Tensor, eps: float, next_norm_weight: torch.Tensor):
-        """:meth:`add_norm_forward_prescaled` of ``linear(x)`` with the projection in the router's launch
-        (``ember.ops.linear_add_rmsnorm_route_hidden``); returns (h, h * next_norm_weight)."""
-        weight, scale = _common.weight_and_row_scale(linear)
-        a = x.reshape(1, -1)
-        normed, new_res, w, ids = moe_ops.linear_add_rmsnorm_route_hidden(
-            a, weight, residual.reshape(1, -1), norm_weight, self.router, self.top_k, weight_scale=scale, eps=eps,
-            renormalize=self.renormalize)
-        h, scaled = moe_ops.moe_experts_add_scale(normed, self.w_gate_up, self.w_down, w, ids, new_res,
-                                                  next_norm_weight, gate_up_scale=self.gate_up_scale,
-                                                  down_scale=self.down_scale, check=False)
-        return h.reshape(residual.shape), scaled.reshape(residual.shape)
-
 
 def add_norm_route_experts(moe: nn.Module, a: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                            eps: float, next_norm_weight: torch.Tensor | None = None,
@@ -96,15 +72,14 @@ def add_norm_route_experts(moe: nn.Module, a: torch.Tensor, residual: torch.Tens
     launch (``ember.ops.add_rmsnorm_route_hidden``, ``route`` its routing arguments), then the experts.
 
     Returns ``(out, new_residual)``, or None where the fold does not apply (more than
-    DECODE_MAX_TOKENS tokens, ``EMBER_ROUTER_FUSED=0``, or ``EMBER_NORM_ROUTE_FUSED=0``): the caller
-    then runs the norm and ``moe.forward``. Saves one launch per layer (H200 figures in ARCHITECTURE.md).
+    DECODE_MAX_TOKENS tokens): the caller then runs the norm and ``moe.forward``. Saves one launch
+    per layer (H200 step 2.607 -> 2.593 ms at batch 1, 7.88 -> 7.67 at batch 8; ARCHITECTURE.md).
     With ``next_norm_weight``: the experts' last launch writes the next residual h = out +
     new_residual and h * next_norm_weight instead (``ember.ops.moe_experts_add_scale``: the next
     layer's pre-attention norm without its 1 / rms), and this returns ``(h, scaled)``.
     """
     x = a.reshape(-1, a.shape[-1])
-    if (x.shape[0] > moe_ops.DECODE_MAX_TOKENS or os.environ.get("EMBER_ROUTER_FUSED", "1") != "1"
-            or os.environ.get("EMBER_NORM_ROUTE_FUSED", "1") != "1"):
+    if x.shape[0] > moe_ops.DECODE_MAX_TOKENS:
         return None
     normed, new_res, w, ids = moe_ops.add_rmsnorm_route_hidden(x, residual.reshape(x.shape), norm_weight, moe.router,
                                                                moe.top_k, eps=eps, **route)

@@ -218,10 +218,17 @@ def moe_reference(x, router_logits, w_gate_up, w_down, top_k, renormalize=True, 
 
 
 # ----------------------------------------------------------------------------- implementation
+def _kernels():
+    """ember.kernels.moe, imported on first use (after the interpreter is switched on where forced)."""
+    _dispatch.prepare_triton()
+    from ember.kernels import moe
+    return moe
+
+
 def _route_impl(router_logits, top_k, renormalize):
     if not _dispatch.use_triton(router_logits):
         return moe_route_reference(router_logits, top_k, renormalize)
-    return _dispatch.kernels("moe").route(router_logits, top_k, renormalize)
+    return _kernels().route(router_logits, top_k, renormalize)
 
 
 def moe_route_hidden_reference(x, router_weight, top_k: int, renormalize: bool = True, scoring: str = "softmax",
@@ -253,7 +260,7 @@ def _route_hidden_impl(x, router_weight, top_k, renormalize, scoring="softmax", 
     if not _dispatch.use_triton(x) or (not plain and x.shape[0] > 64):
         return moe_route_hidden_reference(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling,
                                           shared_expert_gate)
-    kmod = _dispatch.kernels("moe")
+    kmod = _kernels()
     if x.shape[0] > kmod.ROUTER_MAX_TOKENS:  # prefill: cuBLAS for the GEMM, then the route kernel
         return kmod.route(F.linear(x, router_weight), top_k, renormalize)
     return kmod.route_hidden(x, router_weight, top_k, renormalize, scoring, expert_bias, scaling, shared_expert_gate)
@@ -272,7 +279,7 @@ def add_rmsnorm_route_hidden_reference(x, residual, norm_weight, router_weight, 
 
 def _add_norm_route_impl(x, residual, norm_weight, router_weight, top_k, eps, renormalize, scoring="softmax",
                          expert_bias=None, scaling=1.0, shared_expert_gate=False):
-    kmod = _dispatch.kernels("moe") if _dispatch.use_triton(x) else None
+    kmod = _kernels() if _dispatch.use_triton(x) else None
     if kmod is None or x.shape[0] > kmod.ROUTER_MAX_TOKENS or x.shape[1] > kmod.ADD_NORM_MAX_HIDDEN:
         normed, new_residual = norm_ops.add_rmsnorm(x, residual, norm_weight, eps)
         w, ids = _route_hidden_impl(normed, router_weight, top_k, renormalize, scoring, expert_bias, scaling,
@@ -288,7 +295,7 @@ def _add_norm_route_impl(x, residual, norm_weight, router_weight, top_k, eps, re
 def _experts_impl(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale):
     if not _dispatch.use_triton(x):
         return moe_experts_reference(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
-    return _dispatch.kernels("moe").experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
+    return _kernels().experts(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
 
 
 def _experts_add_scale_impl(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight, gate_up_scale,
@@ -296,14 +303,14 @@ def _experts_add_scale_impl(x, w_gate_up, w_down, topk_weights, topk_ids, residu
     if not _dispatch.use_triton(x):
         return moe_experts_add_scale_reference(x, w_gate_up, w_down, topk_weights, topk_ids, residual, norm_weight,
                                                gate_up_scale, down_scale)
-    return _dispatch.kernels("moe").experts_add_scale(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale,
+    return _kernels().experts_add_scale(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale,
                                                       down_scale, residual, norm_weight)
 
 
 def _moe_impl(x, router_logits, w_gate_up, w_down, top_k, renormalize, gate_up_scale, down_scale):
     if not _dispatch.use_triton(x):
         return moe_reference(x, router_logits, w_gate_up, w_down, top_k, renormalize, gate_up_scale, down_scale)
-    return _dispatch.kernels("moe").moe(x, router_logits, w_gate_up, w_down, top_k, renormalize,
+    return _kernels().moe(x, router_logits, w_gate_up, w_down, top_k, renormalize,
                                         gate_up_scale, down_scale)
 
 
@@ -464,71 +471,6 @@ def add_rmsnorm_route_hidden(x: torch.Tensor, residual: torch.Tensor, norm_weigh
     if _dispatch.compiling():
         return _add_norm_route_op(*args)
     return _add_norm_route_impl(*args)
-
-
-def linear_add_rmsnorm_route_hidden_reference(a, weight, residual, norm_weight, router_weight, top_k: int,
-                                              weight_scale=None, eps: float = 1e-6, renormalize: bool = True):
-    """The spec of :func:`linear_add_rmsnorm_route_hidden`: the projection as ``ember.ops.linear`` /
-    ``scaled_mm`` compute it, then :func:`add_rmsnorm_route_hidden_reference`."""
-    if weight_scale is None:
-        y = F.linear(a, weight)
-    else:
-        from ember.ops import fp8 as fp8_ops
-        y = fp8_ops.scaled_mm(a, weight.t(), None, weight_scale.reshape(1, -1).float(), out_dtype=a.dtype,
-                              check=False)
-    return add_rmsnorm_route_hidden_reference(y, residual, norm_weight, router_weight, top_k, eps, renormalize)
-
-
-def linear_add_rmsnorm_route_hidden(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                                    norm_weight: torch.Tensor, router_weight: torch.Tensor, top_k: int, *,
-                                    weight_scale: torch.Tensor | None = None, eps: float = 1e-6,
-                                    renormalize: bool = True):
-    """``add_rmsnorm_route_hidden(a @ weight.T, residual, norm_weight, router_weight, top_k)`` for one row:
-    a decoder layer's output projection, post-attention norm and softmax routing.
-
-    ``a [1, K]``; ``weight [N, K]`` in ``a``'s dtype, or float8_e4m3fn with a per-row decode scale
-    ``weight_scale [N]`` (or ``[N, 1]``, Fp8Linear's "row" layout); ``residual [1, N]``,
-    ``norm_weight [N]``, ``router_weight [E, N]``. One launch on CUDA (ember.kernels.linear_route,
-    up to 256 experts and 8192 outputs): the router there multiplies the normalised row before its
-    rounding to ``a.dtype`` (so a logit may differ from the spec's in its last bit, and a near tie
-    between experts may pick the other). Returns ``(normed, new_residual, topk_weights, topk_ids)``.
-
-    Example:
-        >>> a, res = torch.randn(1, 32), torch.randn(1, 64)
-        >>> normed, res, w, ids = ember.ops.linear_add_rmsnorm_route_hidden(
-        ...     a, torch.randn(64, 32), res, torch.ones(64), torch.randn(8, 64), 2)
-    """
-    _checks.tensor("a", a, dtypes=_checks.FLOAT_DTYPES, ndim=2)
-    if a.shape[0] != 1:
-        raise ValueError(f"a: expected one row [1, K], got shape {tuple(a.shape)}")
-    _checks.tensor("weight", weight, dtypes=(a.dtype,) if weight_scale is None else (torch.float8_e4m3fn,), ndim=2)
-    N, K = weight.shape
-    if a.shape[1] != K:
-        raise ValueError(f"weight: expected shape [N, {a.shape[1]}] (a.shape[1] columns), got {tuple(weight.shape)}")
-    if weight_scale is not None:
-        _checks.tensor("weight_scale", weight_scale, dtypes=(torch.float32,))
-        if weight_scale.numel() != N or weight_scale.shape[0] != N:
-            raise ValueError(f"weight_scale: expected shape [{N}] or [{N}, 1] (one scale per weight row), "
-                             f"got {tuple(weight_scale.shape)}")
-    _checks.tensor("residual", residual)
-    if tuple(residual.shape) != (1, N):
-        raise ValueError(f"residual: expected shape [1, {N}] (weight.shape[0] outputs), got {tuple(residual.shape)}")
-    _checks.same_dtype(a=a, residual=residual)
-    _checks.tensor("norm_weight", norm_weight, dtypes=_checks.FLOAT_DTYPES, ndim=1)
-    if norm_weight.shape[0] != N:
-        raise ValueError(f"norm_weight: expected length {N} (weight.shape[0]), got {norm_weight.shape[0]}")
-    top_k = _validate_route_hidden(residual, router_weight, top_k, renormalize)
-    eps = _checks.positive_float("eps", eps)
-    _checks.same_device(a=a, weight=weight, residual=residual, norm_weight=norm_weight, router_weight=router_weight)
-    kmod = _dispatch.kernels("linear_route") if _dispatch.use_triton(a) else None
-    E = router_weight.shape[0]
-    if kmod is None or not kmod.fits(N, E, kmod.tile(N, K, weight.element_size(), a.device)[0]):
-        return linear_add_rmsnorm_route_hidden_reference(a, weight, residual, norm_weight, router_weight, top_k,
-                                                         weight_scale, float(eps), renormalize)
-    scale = None if weight_scale is None else weight_scale.reshape(N).contiguous()
-    return kmod.linear_add_norm_route(a.contiguous(), weight.contiguous(), scale, residual.contiguous(),
-                                      norm_weight.contiguous(), router_weight.contiguous(), top_k, renormalize,
-                                      float(eps))
 
 
 def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

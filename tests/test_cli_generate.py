@@ -100,12 +100,9 @@ def test_sampling_flags_reach_the_sampler(ckpt, capsys, monkeypatch):
     greedy = capsys.readouterr().out
     assert main(args + ["--temperature", "5", "--top-k", "1", "--seed", "3"]) == 0
     assert capsys.readouterr().out == greedy
-    # and a hot sampler without top-k differs from greedy for some seed (it is not ignored)
-    outs = set()
-    for seed in range(4):
-        assert main(args + ["--temperature", "5", "--seed", str(seed)]) == 0
-        outs.add(capsys.readouterr().out)
-    assert outs - {greedy}
+    # and a hot sampler without top-k is not greedy (the temperature is not ignored)
+    assert main(args + ["--temperature", "5", "--seed", "3"]) == 0
+    assert capsys.readouterr().out != greedy
 
 
 def test_generate_bad_input_exit_codes(ckpt, tmp_path, capsys):
@@ -153,8 +150,9 @@ def test_broken_chat_template_names_the_file(ckpt, tmp_path, template, words):
     (path / "chat_template.jinja").write_text(template)
     args = ("generate", "--model", path, "--prompt", "hello", "--chat", "--device", "cpu")
     assert_one_line_error(ember_cli(*args), "chat_template.jinja", *words)
-    debug = ember_cli(*args, "--debug")
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    if "does not parse" in words:  # --debug shows the traceback instead (once is enough)
+        debug = ember_cli(*args, "--debug")
+        assert debug.returncode != 0 and "Traceback" in debug.stderr and "chat_template.jinja" in debug.stderr
 
 
 def test_bad_json_in_tokenizer_config_names_the_file(ckpt, tmp_path):
@@ -186,8 +184,7 @@ def test_cache_that_does_not_fit_in_memory_is_refused(ckpt):
             f"sys.exit(main(['generate', '--model', {str(path)!r}, '--prompt', 'x', '--max-seq-len', '4096', "
             "'--device', 'cpu']))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    assert_one_line_error(r, "not enough memory on cpu", "need ~", "GB free")
-    assert "0.00 GB free" in r.stderr
+    assert_one_line_error(r, "not enough memory on cpu", "need ~2.1 MB (1 x 4096 tokens), 1.0 MB free")
 
 
 def test_ctrl_c_ends_generate_cleanly(ckpt, tmp_path):
@@ -241,7 +238,7 @@ def test_generate_fp8_lm_head_flag(ckpt, capsys):
     assert "fp8_lm_head: needs fp8=True" in capsys.readouterr().err
 
 
-def test_hub_id_goes_through_the_hub_resolver(tmp_path, monkeypatch):
+def test_hub_id_goes_through_the_hub_resolver(tmp_path):
     # offline, with an empty cache: the resolver's own one-line answer, exit 2
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     r = subprocess.run([sys.executable, "-m", "ember", "generate", "--model", "nosuch-org/nosuch-model",

@@ -67,6 +67,10 @@ def _free_host_memory() -> int | None:
     return free
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
 def _is_sequence(p) -> bool:
     return isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() >= 1)
 
@@ -163,8 +167,8 @@ class Model:
         free = _free_host_memory()
         if free is not None and need > free:
             raise MemoryError(f"not enough memory on {self.device} for the KV cache and recurrent state: need "
-                              f"~{need / 1e9:.2f} GB ({max_batch_size} x {max_seq_len} tokens), {free / 1e9:.2f} GB "
-                              "free (lower max_seq_len / max_batch_size)")
+                              f"~{_size(need)} ({max_batch_size} x {max_seq_len} tokens), {_size(free)} free "
+                              "(lower max_seq_len / max_batch_size)")
 
     @property
     def max_position_embeddings(self) -> int | None:

@@ -102,8 +102,9 @@ def probe_mps() -> dict:
 # Packages a core install brings for text in / text out (ember generate / chat, ember.load of a hub id).
 TEXT_PACKAGES = {"tokenizers": "read tokenizer.json", "jinja2": "render chat templates",
                  "huggingface_hub": "fetch hub ids"}
-NO_TRITON_WHY = ("CUDA GPU but Triton is not installed: ops run their reference (plain PyTorch) path on the GPU; "
-                 "`pip install triton` for ember's kernels (CUDA builds of torch normally bring it)")
+def _no_triton_why(error) -> str:
+    return (f"CUDA GPU but Triton is not installed ({error}): ops run their reference (plain PyTorch) path on "
+            "the GPU; `pip install triton` for ember's kernels (CUDA builds of torch normally bring it)")
 
 
 def probe_packages() -> dict:
@@ -129,7 +130,7 @@ def _family_path(module: str, cuda: dict, triton_info: dict) -> dict:
         return {"path": "reference", "why": ROCM_WHY}
     if not triton_info["importable"]:
         if "No module named 'triton'" in str(triton_info["error"]):
-            return {"path": "reference", "why": NO_TRITON_WHY}
+            return {"path": "reference", "why": _no_triton_why(triton_info["error"])}
         return {"path": "reference", "why": f"Triton cannot be imported ({triton_info['error']})"}
     if not triton_info["runs_kernel"]:
         return {"path": "reference", "why": f"Triton cannot run kernels here ({triton_info['error']})"}
@@ -176,7 +177,7 @@ def doctor() -> dict:
                          "EMBER_PDL=0 turns it off)")
     if cuda["available"] and not _dispatch.rocm() and not tri["importable"] and \
             "No module named 'triton'" in str(tri["error"]):
-        notes.append(NO_TRITON_WHY)
+        notes.append(_no_triton_why(tri["error"]))
     elif cuda["available"] and tri["error"]:
         notes.append(f"Triton problem: {tri['error']}")
     packages = probe_packages()

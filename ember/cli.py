@@ -56,7 +56,8 @@ def _cmd_bench(args) -> int:
             def report(msg, name=name):
                 progress.update(task, description=f"[{name}] {msg}")
             try:
-                results[name] = bench.run_suite(name, quick=args.quick, device=args.device, progress=report)
+                results[name] = bench.run_suite(name, quick=args.quick, device=args.device, progress=report,
+                                                hf_compile=args.hf_compile, variants=args.variants)
             except ModuleNotFoundError as e:  # a stock baseline library is missing
                 print(f"ember bench {name}: needs the package {e.name!r} for its baseline; "
                       "install the bench extra: pip install 'ember[bench]' (or -e \".[bench]\")", file=sys.stderr)
@@ -110,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH", help="write results as JSON")
     b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of speedups (needs matplotlib)")
     b.add_argument("--device", help="device to run on (default: cuda if present, cpu with --quick)")
+    b.add_argument("--hf-compile", action="store_true",
+                   help="LLM suites: also time HF's static cache + torch.compile generate (~90 s of compiling)")
+    b.add_argument("--variants", action="store_true",
+                   help="LLM suites: also time the decode step's variants (generic tiles, dependent launch off)")
     b.set_defaults(func=_cmd_bench)
     _add_debug(b)
     for verb, module in VERB_MODULES.items():

@@ -190,8 +190,8 @@ def doctor() -> dict:
     families = {name: _family_path(mod, cuda, tri) for name, mod in FAMILIES.items()}
     if _dispatch.force_triton():
         notes.append("EMBER_FORCE_TRITON=1: CPU tensors take Triton kernels through the interpreter (slow; for tests)")
-    tuning_info = [dict(tuning.summary(torch.device("cuda", i)), gpu=d["name"])
-                   for i, d in enumerate(cuda["devices"] if not _dispatch.rocm() else [])]
+    tuning_info = [dict(tuning.summary(tuning.DeviceInfo(d["name"], tuple(d["capability"]))), gpu=d["name"])
+                   for d in (cuda["devices"] if not _dispatch.rocm() else [])]
     for t in tuning_info:
         if t["mode"] == "generic":
             notes.append(f"{t['gpu']}: EMBER_TUNING=generic: kernels use the generic tile entries")

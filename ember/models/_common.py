@@ -156,30 +156,27 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
 
     def decode(self, h: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], project: bool = True) -> torch.Tensor:
-        """h [B, H], one token per row at ``positions`` [B] -> [B, H]; appends k, v to the cache.
-        ``project=False``: the attention output before the output projection ``self.o`` ([B, NH * D]),
-        for a caller that folds the projection into its next launch."""
-        return self._decode_from_qkv(self.qkv(h), positions, seq_lens, cos, sin, cache, project=project)
+               sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """h [B, H], one token per row at ``positions`` [B] -> [B, H]; appends k, v to the cache."""
+        return self._decode_from_qkv(self.qkv(h), positions, seq_lens, cos, sin, cache)
 
     def decode_prescaled(self, scaled: torch.Tensor, h: torch.Tensor, eps: float, positions: torch.Tensor,
                          seq_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         cache: tuple[torch.Tensor, torch.Tensor], project: bool = True) -> torch.Tensor:
+                         cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``decode(add_rmsnorm's normed h)`` given ``scaled = h * norm_weight`` (the previous layer's
         ``moe_experts_add_scale``): the 1 / rms(h) is applied after the qkv projection, in the q/k
         norm + RoPE launch (``prenorm``), so the norm has no launch of its own (H200 Qwen3-30B-A3B
-        decode step: bf16 2.311 vs 2.396 ms, fp8 2.159 vs 2.248). ``project``: as in decode."""
-        return self._decode_from_qkv(self.qkv(scaled), positions, seq_lens, cos, sin, cache, prenorm=(h, eps),
-                                     project=project)
+        decode step: bf16 2.311 vs 2.396 ms, fp8 2.159 vs 2.248)."""
+        return self._decode_from_qkv(self.qkv(scaled), positions, seq_lens, cos, sin, cache, prenorm=(h, eps))
 
     def _decode_from_qkv(self, qkv: torch.Tensor, positions, seq_lens, cos, sin, cache,
-                         prenorm: tuple | None = None, project: bool = True) -> torch.Tensor:
-        """q/k norm + RoPE + cache write, decode attention, output projection (unless not ``project``)."""
+                         prenorm: tuple | None = None) -> torch.Tensor:
+        """q/k norm + RoPE + cache write, decode attention, output projection."""
         c = self.cfg
         q = attn_ops.qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, positions, cache[0], cache[1],
                                         num_heads=c.num_heads, eps=c.rms_norm_eps, prenorm=prenorm)
         out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
-        return self.o(out) if project else out
+        return self.o(out)
 
 
 class DenseMLP(nn.Module):
@@ -260,33 +257,22 @@ class CausalLM(nn.Module):
         attn, scaled, h)`` (decode) runs layer i's mixer on ``add_rmsnorm``'s output given h (the new
         residual) and h * norm_weight, which the previous layer's MLP wrote instead of its output where
         both layers can (the MLP's ``add_norm_forward_prescaled``, the next mixer's
-        ``decode_prescaled``): the pre-attention norm then has no launch of its own. Where the MLP
-        also takes the attention's output projection into its router launch (``linear_route_ok``,
-        one decode row), the mixer is called with ``project=False``."""
+        ``decode_prescaled``): the pre-attention norm then has no launch of its own."""
         normed, residual = ember.ops.rmsnorm(x, self.layers[0].ln1, self.eps), x
         prescaled = None  # (h, h * ln1) from the previous layer's MLP
-        rows = x.reshape(-1, x.shape[-1]).shape[0]
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             fold_next = getattr(layer.mlp, "add_norm_forward_prescaled", None)
             can_prescale = (attend_prescaled is not None and fold_next is not None and nxt is not None
                             and hasattr(nxt.attn, "decode_prescaled"))
-            # the o_proj in the router's launch (qwen3_moe.SparseMoe.linear_add_norm_forward_prescaled)
-            unprojected = (can_prescale and isinstance(layer.attn, Attention)
-                           and getattr(layer.mlp, "linear_route_ok", lambda o, n: False)(layer.attn.o, rows))
-            project = {} if not unprojected else {"project": False}
             if prescaled is not None:
                 residual, scaled = prescaled
-                a = attend_prescaled(i, layer.attn, scaled, residual, **project)
+                a = attend_prescaled(i, layer.attn, scaled, residual)
             else:
                 if i > 0:
                     normed, residual = ember.ops.add_rmsnorm(m, residual, layer.ln1, self.eps)
-                a = attend(i, layer.attn, normed, **project)
+                a = attend(i, layer.attn, normed)
             prescaled = None
-            if unprojected:
-                prescaled = layer.mlp.linear_add_norm_forward_prescaled(a, layer.attn.o, residual, layer.ln2,
-                                                                        self.eps, nxt.ln1)
-                continue
             if can_prescale:
                 prescaled = fold_next(a, residual, layer.ln2, self.eps, nxt.ln1)
                 if prescaled is not None:
@@ -322,12 +308,11 @@ class CausalLM(nn.Module):
         """tokens [B] at positions [B] (seq_lens = positions + 1, int32) -> logits [B, V]."""
         x = F.embedding(tokens, self.embed)
 
-        def attend_prescaled(i, attn, scaled, h, **project):
-            return attn.decode_prescaled(scaled, h, self.eps, positions, seq_lens, self.cos, self.sin, caches[i],
-                                         **project)
+        def attend_prescaled(i, attn, scaled, h):
+            return attn.decode_prescaled(scaled, h, self.eps, positions, seq_lens, self.cos, self.sin, caches[i])
 
-        def attend(i, attn, h, **project):
-            return attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i], **project)
+        def attend(i, attn, h):
+            return attn.decode(h, positions, seq_lens, self.cos, self.sin, caches[i])
         return self._run(x, attend, attend_prescaled=attend_prescaled)
 
 

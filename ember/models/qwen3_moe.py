@@ -139,6 +139,7 @@ def build_moe(src: _common.TensorSource, cfg: dict, prefix: str, *, fp8: bool) -
     return SparseMoe(router, gate_up.to(src.device, src.dtype), down.to(src.device, src.dtype), top_k, renorm)
 
 
+@_common.missing_as_value_error
 def build(src: _common.TensorSource, cfg: dict, *, fp8: bool, max_seq_len: int) -> _common.CausalLM:
     _common.check_positive(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                            "moe_intermediate_size")

@@ -62,8 +62,8 @@ def _moe_fp8_decode():
     """The batch-1 decode's MoE kernels at Qwen3-30B-A3B widths (8 experts: the count is not
     compiled in): router + add_rmsnorm in one launch, the fp8 block-scaled v2 expert GEMVs."""
     os.environ["EMBER_FORCE_TRITON"] = "1"
-    os.environ.setdefault("EMBER_MOE_T1", "v2")
     import ember
+    from ember import tuning
     from ember.kernels import moe as km
     E, H, I, K = 8, 2048, 768, 4
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
@@ -72,19 +72,12 @@ def _moe_fp8_decode():
                     add_norm=(res, torch.ones(H, dtype=bf16), 1e-6, torch.empty_like(x), torch.empty_like(x)))
     wgu, wd = torch.zeros(E, 2 * I, H, dtype=fp8), torch.zeros(E, H, I, dtype=fp8)
     gs, ds = torch.ones(E, 2 * I // 128, H // 128), torch.ones(E, H // 128, I // 128)
-    ember.ops.moe_experts(x, wgu, wd, torch.full((1, K), 1.0 / K), torch.arange(K).view(1, K).int(),
-                          gate_up_scale=gs, down_scale=ds)
+    with tuning.override("moe", {"t1": {"GEMV": "v2", "GEMV_FP8": "v2"}}):  # the GPU's fp8 choice
+        ember.ops.moe_experts(x, wgu, wd, torch.full((1, K), 1.0 / K), torch.arange(K).view(1, K).int(),
+                              gate_up_scale=gs, down_scale=ds)
 
 
-def _moe_v2_down_prefetch():
-    """The v2 down GEMV with its ids, routing weights and (opt-in) first weight tile loaded before the wait."""
-    os.environ["EMBER_MOE_V2_DOWN_PREFETCH"] = "2"
-    os.environ.setdefault("EMBER_MOE_DOWN_SPLIT", "4")
-    _moe_fp8_decode()
-
-
-CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode,
-         "moe_v2_down_prefetch": _moe_v2_down_prefetch}
+CASES = {"sample_topk_tagged": _sample_topk_tagged, "softmax_waves": _softmax_waves, "moe_fp8_decode": _moe_fp8_decode}
 
 
 def main(names: list[str]) -> int:

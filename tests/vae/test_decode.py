@@ -346,7 +346,7 @@ def test_graph_switch(monkeypatch):
     from ember.vae import _decode
     spec = VaeSpec(make_vae("wan21"))
     assert not _decode._use_graphs(spec, 9)  # CPU: eager
-    monkeypatch.setenv("EMBER_VAE_GRAPHS", "yes")
+    monkeypatch.setenv("EMBER_VAE_GRAPHS", "maybe")
     with pytest.raises(ValueError, match="EMBER_VAE_GRAPHS"):
         _decode._use_graphs(spec, 9)
 
@@ -395,7 +395,7 @@ def test_subpixel_switch_and_exact_path(monkeypatch):
     ref = diffusers_decode(vae, z)
     monkeypatch.setenv("EMBER_VAE_SUBPIXEL", "0")
     assert psnr(ember.vae.decode(vae, z, tile=False), ref) >= 70
-    monkeypatch.setenv("EMBER_VAE_SUBPIXEL", "on")
+    monkeypatch.setenv("EMBER_VAE_SUBPIXEL", "maybe")
     with pytest.raises(ValueError, match="EMBER_VAE_SUBPIXEL"):
         _stream.subpixel_enabled()
 

@@ -17,8 +17,6 @@ Triton is imported lazily, so ``import ember`` works where Triton does not exist
 from __future__ import annotations
 
 import functools
-import importlib
-from types import ModuleType
 
 import torch
 
@@ -79,19 +77,17 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and force_triton()
 
 
-def kernels(family: str) -> ModuleType:
-    """Import ``ember.kernels.<family>`` (and Triton) on first use.
-
-    Under ``EMBER_FORCE_TRITON=1`` without a GPU, the interpreter is switched on before the
-    import so that every ``@triton.jit`` in the module becomes an interpreted function.
-    """
-    _enable_interpreter_if_forced()
+def kernels(family: str):
+    """``ember.kernels.<family>``, imported after :func:`prepare_triton`: for tests and benchmarks that
+    call a kernel module's launch helpers directly. Library code imports the module by name instead."""
+    import importlib
+    prepare_triton()
     return importlib.import_module(f"ember.kernels.{family}")
 
 
 def pdl_allowed() -> bool:
-    """EMBER_PDL is not "0": decode kernels may use programmatic dependent launch (where the GPU has
-    it, sm_90+; read per call, so also while a CUDA graph is captured)."""
+    """EMBER_PDL is on: decode kernels may use programmatic dependent launch (where the GPU has it,
+    sm_90+; read per call, so also while a CUDA graph is captured)."""
     return bool(_switches.get("EMBER_PDL"))
 
 

@@ -241,7 +241,8 @@ def render(report: dict) -> str:
                      f"tuned here: {cached} ({t['cache']})")
     lines.append("switches (environment):")
     for sw in report.get("switches", []):
-        value = f"error: {sw['error']}" if sw["error"] else f"{sw['value']!r}" + (" (set)" if sw["set"] else "")
+        shown = str(int(sw["value"])) if isinstance(sw["value"], bool) else repr(sw["value"])
+        value = f"error: {sw['error']}" if sw["error"] else shown + (" (set)" if sw["set"] else "")
         lines.append(f"  {sw['name']:<24} {sw['category']:<9} {value:<14} {sw['doc']}")
     for n in report["notes"]:
         lines.append(f"- {n}")

@@ -132,7 +132,8 @@ def _impl(x: torch.Tensor, amounts, shape, value: float, out: torch.Tensor | Non
     if not _dispatch.use_triton(x):
         out.copy_(_reference_from_amounts(x, amounts, value))
         return out
-    k = _dispatch.kernels("pad")
+    _dispatch.prepare_triton()
+    from ember.kernels import pad as k
     if _split_pairs(x.dtype) and fill != 0:
         # the pairs would need two fill values (real part, +0.0 imaginary part; -0.0 too); rare
         # enough to take the plain path

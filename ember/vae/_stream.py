@@ -101,7 +101,9 @@ def add_conv_bias_(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.T
     rows = _rows(y)
     res_rows = _rows(residual) if residual is not None else None
     if bias is not None and rows is not None and (residual is None or res_rows is not None) and _dispatch.use_triton(y):
-        _dispatch.kernels("norm").bias_add_rows_(rows, bias.contiguous(), res_rows)
+        _dispatch.prepare_triton()
+        from ember.kernels import norm as norm_kernels
+        norm_kernels.bias_add_rows_(rows, bias.contiguous(), res_rows)
         return y
     if bias is not None:
         if rows is None:
@@ -307,7 +309,9 @@ class StreamDecoder(CausalStream):
         if (_dispatch.use_triton(x) and x.permute(0, 2, 3, 4, 1).is_contiguous()
                 and tuple(x.shape) == (B, oc, t * ft - drop, h * fs, w * fs)):
             # one pass (H200 profile: the gather alone was 35 ms and the add 29 ms per 9 Wan2.2 latent frames)
-            _dispatch.kernels("vae").dup_up_add_(x, x_in, ft, fs, rep, drop)
+            _dispatch.prepare_triton()
+            from ember.kernels import vae as vae_kernels
+            vae_kernels.dup_up_add_(x, x_in, ft, fs, rep, drop)
             return x
         idx = (torch.arange(oc * ft * fs * fs, device=x.device) // rep).view(oc, ft, fs, fs)
         g = x_in.permute(0, 2, 3, 4, 1)[..., idx]  # [B, t, h, w, oc, ft, fs, fs]

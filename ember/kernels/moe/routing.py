@@ -151,7 +151,7 @@ def _router_route_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, tw_ptr, ids_ptr, bia
     pdl_start(PDL)
     inv_rms = 0.0
     if ADD_NORM:
-        # residual_inv_rms and _router_input with block 0's residual sum computed once
+        # the row norm (residual_inv_rms_after) and the router input share block 0's residual sum
         h0 = residual_sum(x_ptr + t * stride_x, res_ptr + t * H, ks, H, 1)
         inv_rms = residual_inv_rms_after(h0, x_ptr + t * stride_x, res_ptr + t * H, new_res_ptr + t * H, H, 1, eps,
                                          j == 0, BLOCK_H)

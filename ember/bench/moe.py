@@ -128,7 +128,7 @@ def ember_decode(model, prompts, new_tokens) -> dict:
 
 def step_graph(model, B: int):
     """The CUDA graph of ``model``'s decode step at batch ``B`` (captured by a generate before)."""
-    return model._graphs[(B, True)]
+    return model.decode_graph(B, greedy=True)
 
 
 def graph_step_ms(model, B: int) -> float:
@@ -164,7 +164,7 @@ def breakdown_us(model) -> dict:
             ember.ops.add_rmsnorm(h, h, layer.ln2)
 
     def head():
-        model._argmax(net.lm_head(h))
+        ember.ops.argmax(net.lm_head(h))
 
     out = {}
     for k, f in (("attention", attn), ("moe", moe), ("norms", norms), ("lm_head_argmax", head)):
@@ -298,12 +298,12 @@ def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
     prompt = long_ids[0].tolist()
     with torch.no_grad():
         # the engine's prefill: the first prompt of a length bucket runs eagerly, the second captures
-        em_long._prefill_last(0, prompt)
+        em_long.prefill_last(0, prompt)
         t0 = time.perf_counter()
-        em_long._prefill_last(0, prompt)
+        em_long.prefill_last(0, prompt)
         sync()
         first_call_s = time.perf_counter() - t0
-        t_em = time_s(lambda: em_long._prefill_last(0, prompt))
+        t_em = time_s(lambda: em_long.prefill_last(0, prompt))
         t_eager = time_s(lambda: em_long.net.prefill(long_ids, caches, last_only=True))
         t_hf = time_s(lambda: hf(long_ids, logits_to_keep=1))
     del em_long, caches

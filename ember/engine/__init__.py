@@ -243,6 +243,23 @@ class Model:
         torch.cuda.synchronize(self.device)
         return graph
 
+    # ------------------------------------------------------------------ for benchmarks and tools
+    def decode_graph(self, batch_size: int, greedy: bool = True) -> torch.cuda.CUDAGraph:
+        """The CUDA graph of one decode step at ``batch_size`` rows (all greedy or not), captured by an
+        earlier ``warmup`` / ``generate``: what ``ember bench`` replays to time the step the engine runs.
+        A documented internal API (a ``KeyError`` naming the missing capture otherwise)."""
+        try:
+            return self._graphs[(batch_size, greedy)]
+        except KeyError:
+            raise KeyError(f"no captured decode step for batch {batch_size}, greedy={greedy}; run "
+                           f"model.warmup({batch_size}) or a generate first (captured: {sorted(self._graphs)})") from None
+
+    def prefill_last(self, row: int, prompt: list[int]) -> torch.Tensor:
+        """Prefill ``prompt`` into cache row ``row`` exactly as ``generate`` does (eager on a length's
+        first prompt, then a captured graph per rounded length); logits [1, V] at its last position.
+        A documented internal API for benchmarks."""
+        return self._prefill_last(row, prompt)
+
     # ------------------------------------------------------------------ prefill
     def _prefill_last(self, b: int, prompt: list[int]) -> torch.Tensor:
         """Prefill ``prompt`` into cache row ``b``; logits [1, V] at its last position."""

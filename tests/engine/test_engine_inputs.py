@@ -81,3 +81,17 @@ def test_cpu_cache_larger_than_free_memory_is_refused_before_allocating(tmp_path
     assert not any(len(a) and a[0] == (1, 2, 4096, 16) for a in allocated)
     monkeypatch.setattr(engine, "_free_host_memory", lambda: 3_000_000)
     assert ember.load(path, device="cpu", max_seq_len=4096).max_seq_len == 4096
+
+
+def test_decode_graph_names_a_missing_capture(model):
+    """The benchmarks' access to the captured step: on CPU nothing is captured, and the error says what to run."""
+    with pytest.raises(KeyError, match=r"no captured decode step for batch 1.*model.warmup\(1\)"):
+        model.decode_graph(1)
+
+
+def test_prefill_last_is_the_engine_prefill(model):
+    """``prefill_last`` (what the prefill benchmark times) gives the logits of the eager forward."""
+    prompt = [3, 1, 4, 1, 5]
+    logits = model.prefill_last(0, prompt)
+    row = [tuple(t[:1] for t in layer) for layer in model.caches]
+    torch.testing.assert_close(logits, model.net.prefill(torch.tensor([prompt]), row, last_only=True))

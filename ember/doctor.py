@@ -30,6 +30,7 @@ FAMILIES = {
     "deltanet": "ember.ops.deltanet",
     "attention": "ember.ops.attention",
     "linear": "ember.ops.linear",
+    "snake": "ember.ops.snake",
 }
 # Families whose fast path needs more than "a GPU Triton can compile for".
 FP8_TENSOR_CORE_MIN_CC = (8, 9)

@@ -18,10 +18,11 @@ from ember.ops.moe import (add_rmsnorm_route_hidden, moe, moe_experts,
 from ember.ops.norm import add_rmsnorm, add_rmsnorm_reference, rmsnorm, rmsnorm_gated, rmsnorm_silu
 from ember.ops.pad import pad
 from ember.ops.sampling import argmax, log_softmax, sample, softmax
+from ember.ops.snake import snake
 
 __all__ = [
     "add_rmsnorm", "add_rmsnorm_reference", "add_rmsnorm_route_hidden", "argmax", "causal_conv1d",
     "dequantize_fp8", "gated_delta_rule", "linear", "log_softmax", "moe",
     "moe_experts", "moe_experts_add_scale", "moe_route", "moe_route_hidden", "pad", "quantize_fp8", "rmsnorm",
-    "rmsnorm_gated", "rmsnorm_silu", "sample", "scaled_mm", "softmax",
+    "rmsnorm_gated", "rmsnorm_silu", "sample", "scaled_mm", "snake", "softmax",
 ]

@@ -81,6 +81,52 @@ def _impl(x, a, b, out, logscale):
     return out
 
 
+# ----------------------------------------------------------------------------- backward
+def _snake_backward(grad, x, alpha, beta, logscale):
+    """Gradients of the forward for x, alpha, beta (in their shapes and dtypes), plain torch in float32.
+
+    With s = sin(a x) and inv = 1 / (d + eps): dy/dx = 1 + a inv sin(2 a x), dy/da = inv x sin(2 a x)
+    (plus -s^2 inv^2 when d is alpha), dy/dd = -s^2 inv^2; logscale multiplies by a (or d) itself.
+    """
+    C = x.shape[1]
+    a = alpha.float().reshape(1, C, 1)
+    if logscale:
+        a = a.exp()
+    d = a if beta is None else (beta.float().reshape(1, C, 1).exp() if logscale else beta.float().reshape(1, C, 1))
+    xf, g = x.float(), grad.float()
+    inv = (d + EPS).reciprocal()
+    s2, sin2 = torch.sin(a * xf).pow(2), torch.sin(2 * a * xf)
+    grad_x = (g * (1 + a * inv * sin2)).to(x.dtype)
+    g_d = (g * -s2 * inv * inv).sum(dim=(0, 2), keepdim=True)  # [1, C, 1]
+    g_a = (g * inv * xf * sin2).sum(dim=(0, 2), keepdim=True)
+    if beta is None:
+        g_a = g_a + g_d
+    g_a = g_a * a if logscale else g_a
+    grad_alpha = g_a.reshape(alpha.shape).to(alpha.dtype)
+    grad_beta = None
+    if beta is not None:
+        grad_beta = (g_d * d if logscale else g_d).reshape(beta.shape).to(beta.dtype)
+    return grad_x, grad_alpha, grad_beta
+
+
+class _SnakeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, alpha, beta, logscale):
+        ctx.save_for_backward(x, alpha, *([beta] if beta is not None else []))
+        ctx.logscale = logscale
+        a, b = _validate(x, alpha, beta, None, logscale)
+        return _impl(x, a, b, None, logscale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, alpha, *rest = ctx.saved_tensors
+        return (*_snake_backward(grad, x, alpha, rest[0] if rest else None, ctx.logscale), None)
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
 # ----------------------------------------------------------------------------- registration
 # torch.compile sees these; eager calls go straight to _impl (no custom-op host overhead).
 @torch.library.custom_op("ember::snake", mutates_args=())
@@ -93,6 +139,20 @@ def _snake_op(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor | None, l
 def _(x, alpha, beta, logscale):
     _validate(x, alpha, beta, None, logscale)
     return torch.empty_like(x)
+
+
+def _setup_context(ctx, inputs, output):
+    x, alpha, beta, logscale = inputs
+    ctx.save_for_backward(x, alpha, *([beta] if beta is not None else []))
+    ctx.logscale = logscale
+
+
+def _op_backward(ctx, grad):
+    x, alpha, *rest = ctx.saved_tensors
+    return (*_snake_backward(grad, x, alpha, rest[0] if rest else None, ctx.logscale), None)
+
+
+_snake_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op("ember::snake_out", mutates_args=("out",))
@@ -117,6 +177,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, *, beta: torch.Tensor | None = N
     ``x``: [B, C, T] bfloat16 / float16 / float32, any strides. ``alpha``, ``beta``: [C] or [1, C, 1].
     ``logscale=True`` exponentiates alpha and beta first (diffusers' Oobleck ``Snake1d``). With ``out``
     (same shape and dtype as x, any strides, or x itself for in place) the result is written there.
+    Differentiable in x, alpha and beta (the backward is plain torch in float32; not with ``out``).
 
     Example:
         >>> x = torch.randn(2, 64, 1000, dtype=torch.bfloat16)
@@ -126,9 +187,14 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, *, beta: torch.Tensor | None = N
         torch.Size([2, 64, 1000])
     """
     a, b = _validate(x, alpha, beta, out, logscale)
+    if out is not None and _needs_grad(x, alpha, beta):
+        raise ValueError("out: expected out=None when gradients are needed (x, alpha or beta requires grad); "
+                         "an out= result is not differentiable")
     if _dispatch.compiling():
         if out is None:
             return _snake_op(x, alpha, beta, logscale)
         _snake_out_op(x, alpha, beta, logscale, out)
         return out
+    if _needs_grad(x, alpha, beta):
+        return _SnakeFunction.apply(x, alpha, beta, logscale)
     return _impl(x, a, b, out, logscale)

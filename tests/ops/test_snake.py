@@ -179,7 +179,7 @@ def test_kernel_small_tiles_cover_everything_interpreter(interpreter, key):
 
 def test_kernel_out_views_and_in_place_interpreter(interpreter):
     x = (torch.randn(2, 5, 19) * 3).to(torch.bfloat16)
-    a = torch.rand(1, 5, 1) + 0.5
+    a = (torch.rand(1, 10, 1) + 0.5)[:, ::2]  # a strided parameter view
     exp = snake_reference(x, a)
     out = poisoned((2, 19, 5), torch.bfloat16, "cpu").transpose(1, 2)  # a channels-last out
     assert ember.ops.snake(x, a, out=out) is out
@@ -229,6 +229,37 @@ def test_compile_fullgraph(monkeypatch, force):
     torch.testing.assert_close(got, f(x), atol=0, rtol=0)
 
 
+# ------------------------------------------------------------------ backward
+@pytest.mark.parametrize("force", [False, True], ids=["reference", "interpreter"])
+@pytest.mark.parametrize("beta,logscale,shape3d", [(False, False, False), (False, True, True), (True, False, True),
+                                                   (True, True, False)])
+def test_backward_matches_float64(monkeypatch, force, beta, logscale, shape3d):
+    from tests.helpers import force_triton_or_skip
+    force_triton_or_skip(monkeypatch, force)
+    a, b = params(5, shape3d, logscale, beta)
+    x = torch.randn(2, 5, 17) * 3
+    g = torch.randn(2, 5, 17)
+    leaves = [t.clone().requires_grad_() for t in (x, a) + ((b,) if beta else ())]
+    ember.ops.snake(leaves[0], leaves[1], beta=leaves[2] if beta else None, logscale=logscale).backward(g)
+    exact = [t.double().requires_grad_() for t in (x, a) + ((b,) if beta else ())]
+    float64_snake(exact[0], exact[1], exact[2] if beta else None, logscale).backward(g.double())
+    for got, ref in zip(leaves, exact):
+        assert got.grad.shape == got.shape and got.grad.dtype == torch.float32
+        # float32 sums of T * B = 34 terms
+        torch.testing.assert_close(got.grad, ref.grad.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_backward_under_compile_and_bf16():
+    a = (torch.rand(1, 4, 1) + 0.5).requires_grad_()
+    x = (torch.randn(2, 4, 9) * 2).to(torch.bfloat16).requires_grad_()
+    torch._dynamo.reset()
+    y = torch.compile(lambda x, a: ember.ops.snake(x, a), fullgraph=True, backend="aot_eager")(x, a)
+    y.float().sum().backward()
+    xe, ae = x.detach().clone().requires_grad_(), a.detach().clone().requires_grad_()
+    ember.ops.snake(xe, ae).float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, xe.grad) and torch.equal(a.grad, ae.grad)
+
+
 # ------------------------------------------------------------------ bad input
 def test_bad_inputs():
     x, a = torch.randn(2, 4, 8), torch.ones(4)
@@ -261,6 +292,8 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="out: expected x itself"):
         buf = torch.randn(2, 4, 9)
         ember.ops.snake(buf[:, :, :8], a, out=buf[:, :, 1:])
+    with pytest.raises(ValueError, match="out: expected out=None when gradients are needed"):
+        ember.ops.snake(x.requires_grad_(), a, out=torch.empty(2, 4, 8))
 
 
 # ------------------------------------------------------------------ GPU
@@ -297,3 +330,16 @@ def test_gpu_64bit_offsets(cuda):
     y = ember.ops.snake(x, a)
     for sl in (slice(0, 4096), slice(-4096, None)):
         assert_close(y[:, :, sl], snake_reference(x[:, :, sl], a), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_matches_float64(cuda):
+    a, b = params(64, True, True, True)
+    x = torch.randn(2, 64, 5000, device=cuda) * 3
+    leaves = [t.to(cuda).requires_grad_() for t in (x, a, b)]
+    g = torch.randn_like(x)
+    ember.ops.snake(leaves[0], leaves[1], beta=leaves[2], logscale=True).backward(g)
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    float64_snake(exact[0], exact[1], exact[2], True).backward(g.double())
+    for got, ref in zip(leaves, exact):
+        torch.testing.assert_close(got.grad, ref.grad.float(), atol=1e-4, rtol=1e-4)  # sums of 10^4 terms

@@ -24,6 +24,7 @@ _LAZY = {
     "Model": ("ember.engine", "Model"),
     "nn": ("ember.nn", None),
     "vae": ("ember.vae", None),
+    "audio": ("ember.audio", None),
 }
 __all__ = ["ops", "doctor", "__version__", *_LAZY]
 

@@ -40,6 +40,13 @@ within 4% of the default (best 67.3 us), so the default stays. Design:
   SASS (triton 3.6, sm_90, issue shape): 64 registers, no spills, ~620 warp instructions for 4 data
   rows (~155 a row) and ~190 for 4 padding rows: ~18 M warp instructions in all, ~4.6x fewer than
   v1, ~17 us of issue against the 76 us that 80% of copy bandwidth allows.
+Reflect, replicate and circular (MODE 1..3) are the same gather with another index map per dim
+(_source: mirror, clamp, wrap), so no fill and no masked-out loads. On the wide path their
+programs split: column blocks below ``n_wide`` store only the rows' pure data chunks (the
+realigned copy above), and a few extra column blocks per row block gather the borders element by
+element: columns [0, lw) and [out_c - rw, out_c), which hold every column outside those chunks
+(each lies within 16 bytes of the data's ends). For the audio row (16x64x1048576 bf16, pad 512
+each side) the borders are 0.1% of the output.
 Other strides, or a misaligned out, take the element path for the whole row. Rows of <= 512 bytes
 run 4 warps with rows side by side across the lanes; there the element pieces are a large share
 of a row and cost more than their bytes.
@@ -57,17 +64,35 @@ RB_MAX = 1024  # rows a program takes, at most
 
 
 @triton.jit
-def _outer_dim(rem, off_x, off_o, ok, size, lo, in_size, x_stride, o_stride, LAST: tl.constexpr):
+def _source(s, n, MODE: tl.constexpr):
+    """x's index for the index ``s`` past the input start (constant: unchanged, masked elsewhere)."""
+    if MODE == 1:  # reflect: mirror without repeating the edge (pads are below n: one mirror)
+        s = tl.abs(s)
+        s = tl.where(s >= n, 2 * n - 2 - s, s)
+    elif MODE == 2:  # replicate: clamp to the edge
+        s = tl.minimum(tl.maximum(s, 0), n - 1)
+    elif MODE == 3:  # circular: wrap (pads are at most n: one wrap)
+        s = tl.where(s < 0, s + n, s)
+        s = tl.where(s >= n, s - n, s)
+    return s
+
+
+@triton.jit
+def _outer_dim(rem, off_x, off_o, ok, size, lo, in_size, x_stride, o_stride, LAST: tl.constexpr,
+               MODE: tl.constexpr):
     """Peels one outer dim off the index ``rem`` (all of it when LAST: no division) and adds its
     offsets; ``ok`` (0/1: the interpreter mistypes scalar bools) says whether the index lies
-    inside the input so far."""
+    inside the input so far (always, in the modes that take padding from x)."""
     if LAST:
         idx = rem
     else:
         idx = rem % size
         rem = rem // size
     src = idx - lo
-    ok = ok * (src >= 0).to(tl.int32) * (src < in_size).to(tl.int32)
+    if MODE == 0:
+        ok = ok * (src >= 0).to(tl.int32) * (src < in_size).to(tl.int32)
+    else:
+        src = _source(src, in_size, MODE)
     return rem, off_x + src.to(off_x.dtype) * x_stride, off_o + idx.to(off_o.dtype) * o_stride, ok
 
 
@@ -79,12 +104,16 @@ def _realign(lo, hi, shift):
 
 @triton.jit
 def _elements(x_ptr, out_ptr, off_x, off_o, valid, cols, in_row, lo_c, in_c, xs_c, os_c, fill,
-              DATA: tl.constexpr = True):
+              DATA: tl.constexpr = True, MODE: tl.constexpr = 0):
     """Element by element: output columns ``cols`` ([RB, n]) of the tile's rows, where ``in_row``
     (no loads when not DATA: the rows are all padding)."""
     if DATA:
         src_c = cols - lo_c
-        load_ok = in_row & valid[:, None] & (src_c >= 0) & (src_c < in_c)
+        if MODE == 0:
+            load_ok = in_row & valid[:, None] & (src_c >= 0) & (src_c < in_c)
+        else:
+            src_c = _source(src_c, in_c, MODE)
+            load_ok = in_row & valid[:, None]
         vals = tl.load(x_ptr + off_x[:, None] + src_c * xs_c, mask=load_ok, other=fill.to(x_ptr.dtype.element_ty))
     else:
         vals = tl.zeros(cols.shape, dtype=x_ptr.dtype.element_ty) + fill.to(x_ptr.dtype.element_ty)
@@ -94,13 +123,15 @@ def _elements(x_ptr, out_ptr, off_x, off_o, valid, cols, in_row, lo_c, in_c, xs_
 @triton.jit
 def _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
                out_c, lo_c, in_c,
-               RB: tl.constexpr, NCH: tl.constexpr, ES: tl.constexpr, DATA: tl.constexpr):
+               RB: tl.constexpr, NCH: tl.constexpr, ES: tl.constexpr, DATA: tl.constexpr, MODE: tl.constexpr):
     """The tile's rows with unit column strides on both sides and out 16-byte aligned.
 
     Whole 16-byte output chunks are stored with 16-byte stores: pure data ones realigned from the
     source, pure padding ones filled; the chunks holding both, and the partial chunks at the
     row's ends, go element by element. Byte offsets: rows from out, columns from the row.
-    DATA=False: every row is padding (a frame of time padding), so nothing is loaded.
+    DATA=False: every row is padding (a frame of time padding), so nothing is loaded. In the modes
+    that take padding from x (MODE > 0) only the pure data chunks are stored here: the rest of
+    the row is the border programs' (see _pad_kernel).
     """
     idx_t = off_o.dtype
     row_len = out_c * ES
@@ -126,14 +157,18 @@ def _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, f
     # lanes along the row (4 words, one 16-byte store, a thread) whatever the row count.
     w = cb * (4 * NCH) + tl.arange(0, 4 * NCH).to(idx_t)
     j = (w // 4)[None, :]  # the word's chunk
-    store_ok = (j < n_ch[:, None]) & (j != m_lo[:, None]) & (j != m_hi[:, None])
+    pure = (j >= ((rel_lo + 15) >> 4)[:, None]) & (j < (rel_hi >> 4)[:, None])
+    if MODE == 0:
+        store_ok = (j < n_ch[:, None]) & (j != m_lo[:, None]) & (j != m_hi[:, None])
+    else:
+        store_ok = (j < n_ch[:, None]) & pure
     if ES == 8:  # the fill's bits over 4-byte words: even and odd words differ for 8-byte elements
         f = tl.where(w[None, :] % 2 == 0, fill_lo.to(tl.uint32), fill_hi.to(tl.uint32))
     else:
         f = fill_lo.to(tl.uint32)
     dst = (((row_b + head) >> 4) * 4)[:, None] + w[None, :]
     if DATA:
-        ld = (j >= ((rel_lo + 15) >> 4)[:, None]) & (j < (rel_hi >> 4)[:, None])
+        ld = pure
         # source bytes of the first chunk, from x's 4-byte-aligned word 0: word s0 / 4, bit shift sh
         s0 = (off_x - lo_c) * ES + x_shift + head
         sh = ((s0 & 3) * 8).to(tl.uint64)[:, None]
@@ -148,7 +183,17 @@ def _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, f
         word = tl.zeros([RB, 4 * NCH], dtype=tl.uint32) + f
     tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + dst, word, mask=store_ok)
 
-    # the rest, in 4 segments of at most 16 bytes each: the head, the chunks m_lo and m_hi, the tail
+    if MODE == 0:
+        _segments(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, out_c, lo_c, in_c, row_len, head,
+                  n_ch, m_lo, m_hi, ES, DATA)
+
+
+@triton.jit
+def _segments(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, out_c, lo_c, in_c, row_len, head,
+              n_ch, m_lo, m_hi, ES: tl.constexpr, DATA: tl.constexpr):
+    """The rest of a row after the whole chunks, in 4 segments of at most 16 bytes each: the head,
+    the chunks m_lo and m_hi, the tail."""
+    idx_t = off_o.dtype
     S: tl.constexpr = 16 // ES
     k = tl.arange(0, S)[None, :].to(idx_t)
     first_only = row_ok & (off_o * 0 + cb == 0)
@@ -179,15 +224,16 @@ _SIZES = ["o1", "l1", "i1", "xs1", "os1", "o2", "l2", "i2", "xs2", "os2", "o3", 
 
 
 @triton.jit(do_not_specialize=["fill", "fill_lo", "fill_hi", "x_shift", "n_rows", "out_c", "lo_c", "in_c", "xs_c",
-                               "os_c"] + _SIZES, do_not_specialize_on_alignment=["x_ptr"])
+                               "os_c", "n_wide", "lw", "rw"] + _SIZES, do_not_specialize_on_alignment=["x_ptr"])
 def _pad_kernel(x_ptr, out_ptr, fill, fill_lo, fill_hi, x_shift, n_cb, n_rows,
-                out_c, lo_c, in_c, xs_c, os_c,
+                out_c, lo_c, in_c, xs_c, os_c, n_wide, lw, rw,
                 o1, l1, i1, xs1, os1, o2, l2, i2, xs2, os2, o3, l3, i3, xs3, os3,
                 o4, l4, i4, xs4, os4, o5, l5, i5, xs5, os5, o6, l6, i6, xs6, os6,
                 o7, l7, i7, xs7, os7,
                 N_OUTER: tl.constexpr, FLAT: tl.constexpr, RB: tl.constexpr, NCH: tl.constexpr,
                 BLOCK_A: tl.constexpr, WIDE: tl.constexpr, ES: tl.constexpr, IDX64: tl.constexpr,
-                ROW64: tl.constexpr):
+                ROW64: tl.constexpr, MODE: tl.constexpr):
+    # MODE: 0 constant, 1 reflect, 2 replicate, 3 circular (x's index per dim through _source)
     # int32 offsets and row indices unless the host saw values that need 64 bits (sm_90 has no
     # 64-bit divide: ptxas calls a routine that spills; the row index is what gets divided)
     idx_t = tl.int64 if IDX64 else tl.int32
@@ -202,9 +248,9 @@ def _pad_kernel(x_ptr, out_ptr, fill, fill_lo, fill_hi, x_shift, n_cb, n_rows,
         ok = row_ok.to(tl.int32)
         off_x = tl.zeros([RB], dtype=idx_t)
         off_o = off_x
-        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o1, l1, i1, xs1, os1, N_OUTER == 1)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o1, l1, i1, xs1, os1, N_OUTER == 1, MODE)
         if N_OUTER >= 2:
-            rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o2, l2, i2, xs2, os2, N_OUTER == 2)
+            rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o2, l2, i2, xs2, os2, N_OUTER == 2, MODE)
     else:
         # RB consecutive indices of outer dim 1 (no division per row) at grid index 1 of dim 2 and
         # grid index 2 over dims 3..7: scalars, split once per program
@@ -213,42 +259,60 @@ def _pad_kernel(x_ptr, out_ptr, fill, fill_lo, fill_hi, x_shift, n_cb, n_rows,
         ok = 1
         if N_OUTER >= 2:
             rem, off_x, off_o, ok = _outer_dim(tl.program_id(1).to(row_t), off_x, off_o, ok,
-                                               o2, l2, i2, xs2, os2, True)
+                                               o2, l2, i2, xs2, os2, True, MODE)
         rem = tl.program_id(2).to(row_t)
     if N_OUTER >= 3:
-        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o3, l3, i3, xs3, os3, N_OUTER == 3)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o3, l3, i3, xs3, os3, N_OUTER == 3, MODE)
     if N_OUTER >= 4:
-        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o4, l4, i4, xs4, os4, N_OUTER == 4)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o4, l4, i4, xs4, os4, N_OUTER == 4, MODE)
     if N_OUTER >= 5:
-        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o5, l5, i5, xs5, os5, N_OUTER == 5)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o5, l5, i5, xs5, os5, N_OUTER == 5, MODE)
     if N_OUTER >= 6:
-        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o6, l6, i6, xs6, os6, N_OUTER == 6)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o6, l6, i6, xs6, os6, N_OUTER == 6, MODE)
     if N_OUTER >= 7:
-        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o7, l7, i7, xs7, os7, True)
+        rem, off_x, off_o, ok = _outer_dim(rem, off_x, off_o, ok, o7, l7, i7, xs7, os7, True, MODE)
     if not FLAT:
         ok_outer = ok  # a scalar: dims 2.. put the whole program inside the input, or not
         r1 = t * RB + tl.arange(0, RB).to(row_t)
         row_ok = r1 < o1
-        ok = ok * (r1 - l1 >= 0).to(tl.int32) * (r1 - l1 < i1).to(tl.int32)
-        off_x = off_x + (r1 - l1).to(idx_t) * xs1
+        s1 = r1 - l1
+        if MODE == 0:
+            ok = ok * (s1 >= 0).to(tl.int32) * (s1 < i1).to(tl.int32)
+        else:
+            s1 = _source(s1, i1, MODE)
+        off_x = off_x + s1.to(idx_t) * xs1
         off_o = off_o + r1.to(idx_t) * os1
     # off_x, off_o: element offsets of the rows' output column 0; valid: the row holds input data
-    valid = row_ok & (ok != 0)
+    if MODE == 0:
+        valid = row_ok & (ok != 0)
+    else:  # every row takes its data from x
+        valid = row_ok
 
-    if WIDE:
+    if WIDE and MODE != 0:
+        # column blocks below n_wide store the rows' pure data chunks; the ones above, the
+        # borders: columns [0, lw) and [out_c - rw, out_c), element by element through _source
+        if cb < n_wide:
+            _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
+                       out_c, lo_c, in_c, RB, NCH, ES, True, MODE)
+        else:
+            e = (cb - n_wide).to(idx_t) * BLOCK_A + tl.arange(0, BLOCK_A).to(idx_t)
+            cols = tl.where(e < lw, e, out_c - rw + e - lw)[None, :]
+            in_row = row_ok[:, None] & (e < lw + rw)[None, :]
+            _elements(x_ptr, out_ptr, off_x, off_o, valid, cols, in_row, lo_c, in_c, 1, 1, fill, True, MODE)
+    elif WIDE:
         if FLAT:
             _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
-                       out_c, lo_c, in_c, RB, NCH, ES, True)
+                       out_c, lo_c, in_c, RB, NCH, ES, True, MODE)
         elif ok_outer != 0:
             _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
-                       out_c, lo_c, in_c, RB, NCH, ES, True)
+                       out_c, lo_c, in_c, RB, NCH, ES, True, MODE)
         else:  # the program's rows are all padding in an outer dim: a fill, nothing to load
             _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
-                       out_c, lo_c, in_c, RB, NCH, ES, False)
+                       out_c, lo_c, in_c, RB, NCH, ES, False, MODE)
     else:
         cols = cb * BLOCK_A + tl.arange(0, BLOCK_A).to(idx_t)[None, :]
         in_row = row_ok[:, None] & (cols < out_c)
-        _elements(x_ptr, out_ptr, off_x, off_o, valid, cols, in_row, lo_c, in_c, xs_c, os_c, fill)
+        _elements(x_ptr, out_ptr, off_x, off_o, valid, cols, in_row, lo_c, in_c, xs_c, os_c, fill, True, MODE)
 
 
 def _fill_words(fill_bits: int, element_size: int) -> tuple[int, int]:
@@ -267,12 +331,14 @@ def _offset_bound(dims, stride_at: int, element_size: int) -> int:
 
 
 def pad(x: torch.Tensor, out: torch.Tensor, fill_bits: int, dims: list[tuple[int, int, int, int, int]],
-        *, num_warps: int | None = None, chunks_per_thread: int = 8) -> None:
+        *, mode: int = 0, num_warps: int | None = None, chunks_per_thread: int = 8) -> None:
     """Launch on integer views ``x`` and ``out``.
 
     ``dims`` lists (out_size, lo, in_size, x_stride, out_stride) per dim, outermost first, at most
-    MAX_DIMS of them (the caller merges dims); the output must be non-empty. ``num_warps`` and
-    ``chunks_per_thread`` (16-byte chunks a thread stores) override the tile for experiments.
+    MAX_DIMS of them (the caller merges dims); the output must be non-empty. ``mode``: 0 constant
+    (``fill_bits`` outside x), 1 reflect, 2 replicate, 3 circular (x cropped by the caller, lo >= 0).
+    ``num_warps`` and ``chunks_per_thread`` (16-byte chunks a thread stores) override the tile for
+    experiments.
     """
     assert 1 <= len(dims) <= MAX_DIMS
     out_c, lo_c, in_c, xs_c, os_c = dims[-1]
@@ -307,6 +373,13 @@ def pad(x: torch.Tensor, out: torch.Tensor, fill_bits: int, dims: list[tuple[int
         words = 2048
     # (few distinct tiles: each is a compiled variant)
     rb = 1 if n_rows == 1 else max(1, min(words // tile, RB_MAX))
+    n_wide, lw, rw = n_cb, 0, 0
+    if wide and mode:
+        # the columns outside the rows' pure data chunks lie within 16 bytes of the data's ends
+        lw = min(out_c, max(lo_c, 0) + 16 // es)
+        rw = min(out_c - lw, out_c - min(lo_c + in_c, out_c) + 16 // es)
+        block_a = max(16, min(triton.next_power_of_2(lw + rw), max(16, 2048 // rb)))
+        n_cb = n_wide + triton.cdiv(lw + rw, block_a)
     # The rows of a program: RB consecutive indices of outer dim 1 at grid indices 1 (outer dim 2)
     # and 2 (dims 3..): no per-row division; or, when dim 1 is shorter than RB or the grid would be
     # too tall, RB consecutive rows over all outer dims (FLAT).
@@ -319,6 +392,6 @@ def pad(x: torch.Tensor, out: torch.Tensor, fill_bits: int, dims: list[tuple[int
     for k in range(MAX_DIMS - 1):
         args.extend(outer[k] if k < len(outer) else (1, 0, 1, 0, 0))
     _pad_kernel[grid](x, out, fill_bits, *(_fill_words(fill_bits, es) if wide else (0, 0)),
-                      x.data_ptr() % 4, n_cb, n_rows, out_c, lo_c, in_c, xs_c, os_c, *args,
+                      x.data_ptr() % 4, n_cb, n_rows, out_c, lo_c, in_c, xs_c, os_c, n_wide, lw, rw, *args,
                       N_OUTER=len(outer), FLAT=flat, RB=rb, NCH=nch, BLOCK_A=block_a, WIDE=wide, ES=es,
-                      IDX64=idx64, ROW64=row64, num_warps=num_warps)
+                      IDX64=idx64, ROW64=row64, MODE=mode, num_warps=num_warps)

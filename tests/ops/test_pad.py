@@ -67,7 +67,7 @@ def cases(draw, max_rank=5, max_side=5):
 def test_reference_bitwise_equals_fpad(case):
     shape, pad, dtype, value, layout = case
     x = make(shape, dtype, layout)
-    assert_bitwise(pad_reference(x, pad, value), F.pad(x, pad, value=value))
+    assert_bitwise(pad_reference(x, pad, value=value), F.pad(x, pad, value=value))
 
 
 # ------------------------------------------------------------------ kernel (interpreter) vs F.pad
@@ -76,20 +76,20 @@ def test_reference_bitwise_equals_fpad(case):
 def test_kernel_bitwise_equals_fpad_interpreter(interpreter, case):
     shape, pad, dtype, value, layout = case
     x = make(shape, dtype, layout)
-    assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+    assert_bitwise(ember.ops.pad(x, pad, value=value), F.pad(x, pad, value=value))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_every_dtype_rank5_interpreter(interpreter, dtype):
     x = make((2, 3, 4, 5, 6), dtype, "transposed")
     for pad, value in [((1, 1, 1, 1, 2, 0), 0.0), ((-1, 2, 0, -2, 1, 1, 0, 0, -1, 1), 1.0)]:
-        assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+        assert_bitwise(ember.ops.pad(x, pad, value=value), F.pad(x, pad, value=value))
 
 
 def test_kernel_high_rank_interpreter(interpreter):
     x = make((2, 3, 3, 2, 2, 3, 2, 3, 2), torch.float32, "transposed")  # rank 9, 7 padded dims
     pad = (1, 0, 0, 1, -1, 1, 1, 1, 0, 1, 1, 0, 1, 1)
-    assert_bitwise(ember.ops.pad(x, pad, 2.0), F.pad(x, pad, value=2.0))
+    assert_bitwise(ember.ops.pad(x, pad, value=2.0), F.pad(x, pad, value=2.0))
 
 
 def test_too_many_padded_dims_is_a_clear_error_interpreter(interpreter):
@@ -103,12 +103,12 @@ def test_out_is_written_everywhere_interpreter(interpreter):
     pad = (2, -1, 1, 1)
     expected = F.pad(x, pad, value=-1.0)
     out = poisoned(expected.shape, torch.bfloat16, "cpu")
-    result = ember.ops.pad(x, pad, -1.0, out=out)
+    result = ember.ops.pad(x, pad, value=-1.0, out=out)
     assert result is out
     assert_bitwise(out, expected)
     # a non-contiguous out: a transposed view of a poisoned buffer
     out_t = poisoned(tuple(reversed(expected.shape)), torch.bfloat16, "cpu").permute(2, 1, 0)
-    ember.ops.pad(x, pad, -1.0, out=out_t)
+    ember.ops.pad(x, pad, value=-1.0, out=out_t)
     assert_bitwise(out_t, expected)
 
 
@@ -141,9 +141,9 @@ def test_wide_rows_every_alignment_interpreter(interpreter, dtype):
     for pad, value in [((1, 1, 1, 1, 2, 0), 0.0), ((3, 2, 0, 1), -2.5), ((5, 0), 1.0), ((-3, 4, -1, 0), 3.0),
                        ((7, -5, 1, 0, 0, 1), 1.0), ((-1, -2), 0.0), ((20, 19), -2.5)]:
         value = 1.0 if dtype == torch.bool and value else value
-        assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+        assert_bitwise(ember.ops.pad(x, pad, value=value), F.pad(x, pad, value=value))
     long_row = make((2, 700), dtype)  # > 256 words a row for 8-byte elements: the middle loops
-    assert_bitwise(ember.ops.pad(long_row, (3, 5), 1.0), F.pad(long_row, (3, 5), value=1.0))
+    assert_bitwise(ember.ops.pad(long_row, (3, 5), value=1.0), F.pad(long_row, (3, 5), value=1.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float64])
@@ -152,18 +152,18 @@ def test_wide_misaligned_views_interpreter(interpreter, dtype):
     for x in [base[..., 1:], base[:, 1:, 3:-2], base[:, ::2, 1:]]:  # odd offsets, strided rows
         pad = (1, 2, 1, 0, 1, 1)
         expected = F.pad(x, pad, value=1.0)
-        assert_bitwise(ember.ops.pad(x, pad, 1.0), expected)
+        assert_bitwise(ember.ops.pad(x, pad, value=1.0), expected)
         # an out whose start is off the 16-byte grid takes the element path for the whole row
         buf = poisoned((expected.numel() + 1,), dtype, "cpu")
         out = buf[1:].view(expected.shape)
-        ember.ops.pad(x, pad, 1.0, out=out)
+        ember.ops.pad(x, pad, value=1.0, out=out)
         assert_bitwise(out, expected)
 
 
 def test_negative_zero_fill_keeps_its_sign_interpreter(interpreter):
     x = make((2, 20), torch.bfloat16)
     for value in (0.0, -0.0, 0.0):  # 0.0 == -0.0: a cache keyed on the value would mix them up
-        assert_bitwise(ember.ops.pad(x, (9, 9), value), F.pad(x, (9, 9), value=value))
+        assert_bitwise(ember.ops.pad(x, (9, 9), value=value), F.pad(x, (9, 9), value=value))
 
 
 def _launches(monkeypatch):
@@ -201,7 +201,7 @@ def test_grid_rows_and_padding_frames_interpreter(interpreter, monkeypatch, dtyp
     cases = [(base, (1, 1, 1, 1, 2, 0), 0.0),  # odd offsets below: every source alignment
              (base[..., 1:], (3, -2, 0, 2, 1, 1), 1.0), (base[:, :, 1:, 2:], (-7, 9, -1, 0, 0, 2), -2.5)]
     for x, pad, value in cases:
-        assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+        assert_bitwise(ember.ops.pad(x, pad, value=value), F.pad(x, pad, value=value))
     assert not any(m["FLAT"] for m in launches) and all(m["WIDE"] for m in launches)
 
 
@@ -236,25 +236,25 @@ def long_row_cases(draw):
 def test_long_rows_bitwise_equals_fpad_interpreter(interpreter, case):
     shape, pad, dtype, value, offset = case
     x = make(shape[:-1] + [shape[-1] + offset], dtype)[..., offset:]
-    assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+    assert_bitwise(ember.ops.pad(x, pad, value=value), F.pad(x, pad, value=value))
 
 
 def test_empty_and_zero_sized():
     x = torch.randn(0, 3)
-    assert_bitwise(ember.ops.pad(x, (1, 1, 2, 0), 5.0), F.pad(x, (1, 1, 2, 0), value=5.0))
+    assert_bitwise(ember.ops.pad(x, (1, 1, 2, 0), value=5.0), F.pad(x, (1, 1, 2, 0), value=5.0))
     assert ember.ops.pad(torch.randn(3, 2), (0, 0, -3, 0)).shape == (0, 2)
 
 
 def test_empty_input_nonempty_output_interpreter(interpreter):
     x = torch.randn(2, 0, 3)
-    assert_bitwise(ember.ops.pad(x, (0, 1, 2, 1), 7.0), F.pad(x, (0, 1, 2, 1), value=7.0))
+    assert_bitwise(ember.ops.pad(x, (0, 1, 2, 1), value=7.0), F.pad(x, (0, 1, 2, 1), value=7.0))
 
 
 def test_compiles_fullgraph():
     x = torch.randn(2, 3, 4)
 
     def f(t):
-        return ember.ops.pad(t, (1, 2, 0, 1), 0.5) * 2
+        return ember.ops.pad(t, (1, 2, 0, 1), value=0.5) * 2
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert_bitwise(compiled(x), F.pad(x, (1, 2, 0, 1), value=0.5) * 2)
@@ -277,8 +277,8 @@ def test_value_bool_int_float_reference(dtype):
     x = make((2, 3, 5), dtype, "transposed")
     for value in VALUES:
         if _fits(dtype, value):
-            assert_bitwise(pad_reference(x, (1, 2, 0, 1), value), F.pad(x, (1, 2, 0, 1), value=value))
-            assert_bitwise(ember.ops.pad(x, (1, 2, 0, 1), value), F.pad(x, (1, 2, 0, 1), value=value))
+            assert_bitwise(pad_reference(x, (1, 2, 0, 1), value=value), F.pad(x, (1, 2, 0, 1), value=value))
+            assert_bitwise(ember.ops.pad(x, (1, 2, 0, 1), value=value), F.pad(x, (1, 2, 0, 1), value=value))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -286,7 +286,7 @@ def test_value_bool_int_float_interpreter(interpreter, dtype):
     x = make((2, 3, 37), dtype)
     for value in VALUES:
         if _fits(dtype, value):
-            assert_bitwise(ember.ops.pad(x, (3, 2, 1, 0), value), F.pad(x, (3, 2, 1, 0), value=value))
+            assert_bitwise(ember.ops.pad(x, (3, 2, 1, 0), value=value), F.pad(x, (3, 2, 1, 0), value=value))
 
 
 @pytest.mark.parametrize("path", ["reference", "interpreter"])
@@ -297,16 +297,16 @@ def test_bool_tensor_true_false_bitwise(request, path):
     for value in (True, False, 1, 0, 1.0, 0.0, 2, 0.5):
         for pad in [(1, 1, 1, 1, 2, 0), (5, 3), (-2, 7, 1, -1)]:
             expected = F.pad(x, pad, value=value)
-            assert_bitwise(ember.ops.pad(x, pad, value), expected)
-            assert_bitwise(pad_reference(x, pad, value), expected)
-    assert ember.ops.pad(torch.zeros(2, dtype=torch.bool), (1, 1), True).tolist() == [True, False, False, True]
+            assert_bitwise(ember.ops.pad(x, pad, value=value), expected)
+            assert_bitwise(pad_reference(x, pad, value=value), expected)
+    assert ember.ops.pad(torch.zeros(2, dtype=torch.bool), (1, 1), value=True).tolist() == [True, False, False, True]
 
 
 def test_value_int_past_2_53_rounds_as_fpad_does():
     x = torch.zeros(3, dtype=torch.int64)
     big = 2 ** 53 + 1  # not a float: F.pad converts it to one first
-    assert_bitwise(ember.ops.pad(x, (1, 1), big), F.pad(x, (1, 1), value=big))
-    assert_bitwise(pad_reference(x, (1, 1), big), F.pad(x, (1, 1), value=big))
+    assert_bitwise(ember.ops.pad(x, (1, 1), value=big), F.pad(x, (1, 1), value=big))
+    assert_bitwise(pad_reference(x, (1, 1), value=big), F.pad(x, (1, 1), value=big))
 
 
 @pytest.mark.parametrize("dtype, value", [(torch.uint8, -1), (torch.int8, 300), (torch.float16, 1e300),
@@ -317,13 +317,13 @@ def test_value_that_does_not_fit_is_refused_as_fpad_refuses_it(dtype, value):
         F.pad(x, (1, 1), value=value)
     for fn in (ember.ops.pad, pad_reference):
         with pytest.raises(ValueError, match=f"value: .* does not fit in {dtype}"):
-            fn(x, (1, 1), value)
+            fn(x, (1, 1), value=value)
 
 
 @pytest.mark.parametrize("value", [1 + 2j, "1", torch.tensor(1.0), None])
 def test_value_of_another_type_is_refused(value):
     with pytest.raises(TypeError, match="value: expected a bool, int or float"):
-        ember.ops.pad(torch.zeros(3), (1, 1), value)
+        ember.ops.pad(torch.zeros(3), (1, 1), value=value)
 
 
 # ------------------------------------------------------------------ bad input
@@ -334,7 +334,9 @@ def test_value_of_another_type_is_refused(value):
     ((torch.randn(3), (1.0, 1)), {}, TypeError, "pad: expected ints"),
     ((torch.randn(3), 2), {}, TypeError, "pad: expected a sequence"),
     ((torch.randn(3), (-2, -2)), {}, ValueError, "negative size -1 in dim 0"),
-    ((torch.randn(3), (1, 1), "a"), {}, TypeError, "value: expected a bool, int or float"),
+    ((torch.randn(3), (1, 1)), {"value": "a"}, TypeError, "value: expected a bool, int or float"),
+    ((torch.randn(3), (1, 1), 1.0), {}, ValueError, "pass it as value="),
+    ((torch.randn(1, 3), (1, 1), "mirror"), {}, ValueError, "mode: expected one of 'constant', 'reflect'"),
     ((torch.randn(3), (1, 1)), {"out": torch.empty(4)}, ValueError, "out: expected shape (5,)"),
     ((torch.randn(3), (1, 1)), {"out": torch.empty(5, dtype=torch.float16)}, TypeError, "out: expected dtype"),
 ])
@@ -358,7 +360,8 @@ def test_gpu_rank5_bf16_large_plane_exact(cuda):
     for pad in [(1, 1, 1, 1, 2, 0), (-3, 2, 1, -1, 0, 1, 2, 2)]:
         assert_bitwise(ember.ops.pad(x, pad), F.pad(x, pad))
     xt = x.permute(0, 2, 1, 3, 4)  # non-contiguous
-    assert_bitwise(ember.ops.pad(xt, (1, 1, 1, 1, 0, 0, 0, 0), 3.0), F.pad(xt, (1, 1, 1, 1, 0, 0, 0, 0), value=3.0))
+    pad = (1, 1, 1, 1, 0, 0, 0, 0)
+    assert_bitwise(ember.ops.pad(xt, pad, value=3.0), F.pad(xt, pad, value=3.0))
 
 
 @pytest.mark.gpu  # (examples bounded by compile time: ~1.5 s for each new kernel variant they reach)
@@ -367,7 +370,7 @@ def test_gpu_rank5_bf16_large_plane_exact(cuda):
 def test_gpu_bitwise_equals_fpad(cuda, case):
     shape, pad, dtype, value, layout = case
     x = make(shape, dtype, layout).to(cuda)
-    assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+    assert_bitwise(ember.ops.pad(x, pad, value=value), F.pad(x, pad, value=value))
 
 
 @pytest.mark.gpu
@@ -378,7 +381,7 @@ def test_gpu_every_dtype_out(cuda, dtype):
     out = torch.empty(expected.shape, dtype=dtype, device=cuda)
     if dtype.is_floating_point:
         out.fill_(float("nan")) if dtype.itemsize > 1 else out.view(torch.uint8).fill_(0x7F)
-    ember.ops.pad(x, (1, 2, -1, 3, 2, 0), 1.0, out=out)
+    ember.ops.pad(x, (1, 2, -1, 3, 2, 0), value=1.0, out=out)
     assert_bitwise(out, expected)
 
 
@@ -390,9 +393,9 @@ def test_gpu_video_shapes_every_width(cuda, dtype):
     x = make((1, 8, 4, 64, 258), dtype).to(cuda)
     for xv in [x, x[..., 1:], x[..., 3:-2], x[:, :, :, 1:, :]]:
         for pad, value in [((1, 1, 1, 1, 2, 0), 0.0), ((1, 1, 1, 1, 0, 0, 0, 0), 1.0), ((-3, 5, 2, -1, 1, 1), 3.0)]:
-            assert_bitwise(ember.ops.pad(xv, pad, value), F.pad(xv, pad, value=value))
+            assert_bitwise(ember.ops.pad(xv, pad, value=value), F.pad(xv, pad, value=value))
     out = torch.empty(1, 8, 6, 66, 300, dtype=dtype, device=cuda)[..., 8:268]
-    ember.ops.pad(x, (1, 1, 1, 1, 2, 0), 1.0, out=out)
+    ember.ops.pad(x, (1, 1, 1, 1, 2, 0), value=1.0, out=out)
     assert_bitwise(out, F.pad(x, (1, 1, 1, 1, 2, 0), value=1.0))
 
 
@@ -402,5 +405,5 @@ def test_gpu_video_shapes_every_width(cuda, dtype):
 def test_gpu_long_rows_bitwise_equals_fpad(cuda, case):
     shape, pad, dtype, value, offset = case
     x = make(shape[:-1] + [shape[-1] + offset], dtype)[..., offset:].to(cuda)
-    assert_bitwise(ember.ops.pad(x, pad, value), F.pad(x, pad, value=value))
+    assert_bitwise(ember.ops.pad(x, pad, value=value), F.pad(x, pad, value=value))
 

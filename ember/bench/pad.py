@@ -1,7 +1,7 @@
 """``ember bench pad``: reflect / replicate / circular padding of long audio rows vs torch F.pad.
 
 Floor (H200): bf16 16 x 64 x 1,048,576 padded by (512, 512) (STFT centring, n_fft = 1024): 2,147 MB
-read + 2,149 MB written = 4,296 MB -> 1.03 ms at 4.155 TB/s; the target is 80% of that bandwidth.
+read + 2,150 MB written = 4,297 MB -> 1.03 ms at 4.155 TB/s; the target is 80% of that bandwidth.
 The GB/s of both columns count the same bytes (x once, the output once). Graph-timed on the GPU
 (each call moves > 2x L2, so one input set); ``--quick`` times a 2 x 4 x 4096 row on the host.
 """

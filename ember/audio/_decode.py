@@ -153,7 +153,7 @@ def decode(model, latents_or_codes: torch.Tensor, *, chunk: int | None = None, p
     codes = _check_input(spec, latents_or_codes)
     x = latents_or_codes
     B, _, T = x.shape
-    plan = _plan.build(spec.decoder, tanh=spec.kind == "dac")
+    plan = _plan.build(spec.decoder)
     if chunk is None:
         chunk = auto_chunk(plan, spec, B, T)
     n_out = plan.length(T)

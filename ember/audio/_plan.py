@@ -209,14 +209,14 @@ def _residual_unit(unit, where: str) -> Residual:
                      Conv(unit.conv2, f"{where}.conv2")], where)
 
 
-def build(decoder, tanh: bool) -> Plan:
-    """The Plan of a DacDecoder / OobleckDecoder (conv1, upsampling blocks, snake, conv2[, tanh])."""
+def build(decoder) -> Plan:
+    """The Plan of a DacDecoder / OobleckDecoder (conv1, upsampling blocks, snake, conv2, DAC's tanh)."""
     steps = [Conv(decoder.conv1, "decoder.conv1")]
     for i, block in enumerate(decoder.block):
         where = f"decoder.block[{i}]"
         steps += [Snake(block.snake1), ConvT(block.conv_t1, f"{where}.conv_t1")]
         steps += [_residual_unit(getattr(block, f"res_unit{r}"), f"{where}.res_unit{r}") for r in (1, 2, 3)]
     steps += [Snake(decoder.snake1), Conv(decoder.conv2, "decoder.conv2")]
-    if tanh:
+    if isinstance(getattr(decoder, "tanh", None), torch.nn.Tanh):
         steps.append(Tanh())
     return Plan(steps, decoder.conv1.in_channels, decoder.conv2.out_channels)

@@ -65,11 +65,13 @@ def _row(ctx: BenchContext, name: str, model, z: torch.Tensor, hop: int, baselin
         baseline(z[:, :, :64])
         ember.audio.decode(model, z[:, :, :64], progress=False)
     ctx.progress(f"{name}: baseline")
+    failure = None
     try:
         ref, t_base, gb_base = timed(lambda: baseline(z), ctx.device)
-    except torch.OutOfMemoryError:  # the figure is then the failure itself
-        ref, t_base, gb_base = None, None, None
-        torch.cuda.empty_cache()
+    except RuntimeError as e:  # out of memory, or a conv past 2^31 elements: the row records why
+        ref, t_base, gb_base, failure = None, None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if ctx.on_gpu:
+            torch.cuda.empty_cache()
     ctx.progress(f"{name}: ember")
     out, t, gb = timed(ours, ctx.device)
     quality = snr(out, ref) if ref is not None else None
@@ -81,7 +83,8 @@ def _row(ctx: BenchContext, name: str, model, z: torch.Tensor, hop: int, baselin
     if ctx.on_gpu and quality is not None:
         meets = quality >= floor and gb < gb_base
     return Row(name, "s", t, t_base, baseline_name, target=f">= {floor} dB vs untiled, peak_GB below it",
-               meets=meets, extra={"peak_GB": gb, "baseline_peak_GB": gb_base, "snr_vs_baseline_db": quality,
+               meets=meets, extra={"peak_GB": gb, "baseline_peak_GB": gb_base, "baseline_failure": failure,
+                                   "snr_vs_baseline_db": quality,
                                    "audio_seconds": z.shape[-1] * hop / 44100, "latent_frames": z.shape[-1]})
 
 

@@ -2,7 +2,10 @@
 
 Rows: DAC at 44.1 kHz (transformers DacModel, 512-sample hop, random full-size weights) in bf16 and
 fp32, and Stable Audio's Oobleck VAE (diffusers AutoencoderOobleck defaults, stereo 44.1 kHz, 2048
-hop) in bf16. The baseline is the module's untiled decode (its exact result, what ember reproduces),
+hop) in bf16; ``snake_bf16_16x1024x65536`` (GB/s, against the transformers Snake1d formula in torch,
+floor: read + write 4.3 GB at 4.155 TB/s = 1.03 ms); ``whisper_log_mel_3600s_128mel`` (ms, one hour
+of 16 kHz audio as 120 windows, against ``WhisperFeatureExtractor`` on the GPU; its CPU figure as an
+extra field; floor: the hour's 230 MB of samples and 176 MB of features, ~0.1 ms). The baseline is the module's untiled decode (its exact result, what ember reproduces),
 timed in the same process; ``snr_vs_baseline_db`` is ember's output against it.
 
 Floors (H200, 790 TFLOP/s bf16; conv FLOPs per latent frame counted from the decoder's layers):
@@ -118,8 +121,63 @@ def oobleck_row(ctx: BenchContext) -> Row:
                 "diffusers AutoencoderOobleck.decode, untiled")
 
 
+COPY_BW_GBS = 4155.0
+
+
+def snake_row(ctx: BenchContext) -> Row:
+    """ember.ops.snake against the Snake1d formula transformers' DAC runs (eager torch), GB/s moved."""
+    B, C, T = (2, 16, 256) if ctx.quick else (16, 1024, 65536)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(B, C, T, generator=g).to(ctx.device, torch.bfloat16)
+    alpha = (torch.rand(1, C, 1, generator=g) + 0.5).to(ctx.device, torch.bfloat16)
+    out = torch.empty_like(x)
+
+    def stock():
+        return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+
+    t_em = ctx.time_us([lambda: ember.ops.snake(x, alpha, out=out)])
+    t_torch = ctx.time_us([stock])
+    gbs = lambda us: 2 * x.numel() * x.element_size() / (us * 1e-6) / 1e9  # noqa: E731
+    return Row(f"snake_bf16_{B}x{C}x{T}", "GB/s", gbs(t_em), gbs(t_torch), "torch eager Snake1d (transformers DAC)",
+               target=">= 80% of 4155 GB/s copy bandwidth", meets=gbs(t_em) >= 0.8 * COPY_BW_GBS if ctx.on_gpu else None,
+               extra={"ember_us": t_em, "torch_us": t_torch})
+
+
+def log_mel_row(ctx: BenchContext) -> Row:
+    """An hour of 16 kHz audio to Whisper's 128-bin features: ember.audio.log_mel on ctx.device against
+    WhisperFeatureExtractor on the same device (the GPU path it has), its CPU figure beside it."""
+    from transformers import WhisperFeatureExtractor
+    seconds = 60 if ctx.quick else 3600
+    g = torch.Generator(device="cpu").manual_seed(0)
+    wave = torch.randn(seconds * 16000, generator=g) * 0.1
+    windows = [w.numpy() for w in wave.split(30 * 16000)]
+    fe = WhisperFeatureExtractor(feature_size=128)
+    wave_dev = wave.to(ctx.device)
+    sync = torch.cuda.synchronize if ctx.on_gpu else (lambda: None)
+
+    def wall(fn, reps=3):
+        fn(); sync()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter(); fn(); sync(); ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2]
+
+    t_em = wall(lambda: ember.audio.log_mel(wave_dev, n_mels=128))
+    t_fe = wall(lambda: fe(windows, sampling_rate=16000, return_tensors="pt", device=str(ctx.device)))
+    t_fe_cpu = t_fe if not ctx.on_gpu else wall(lambda: fe(windows, sampling_rate=16000, return_tensors="np"), reps=1)
+    return Row(f"whisper_log_mel_{seconds}s_128mel", "ms", t_em * 1e3, t_fe * 1e3,
+               f"transformers WhisperFeatureExtractor on {ctx.device.type}",
+               target="<= 20 ms for the hour, >= 50x the CPU extractor, >= 20x its GPU path",
+               meets=(t_em <= 0.02 and t_fe_cpu / t_em >= 50 and t_fe / t_em >= 20) if ctx.on_gpu else None,
+               extra={"extractor_cpu_ms": t_fe_cpu * 1e3, "windows": len(windows)})
+
+
 def run(ctx: BenchContext) -> list[Row]:
-    rows = []
+    rows = [snake_row(ctx)]
+    try:
+        rows.append(log_mel_row(ctx))
+    except ImportError:
+        ctx.progress("transformers not installed: skipping the log-mel row")
     try:
         rows += dac_rows(ctx)
     except ImportError:

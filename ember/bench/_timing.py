@@ -77,3 +77,27 @@ def host_time_us(calls: Sequence[Callable[[], object]], *, iters: int = 20, warm
         sync()
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
+
+
+def timed_with_peak(fn, device) -> tuple[object, float, float, float]:
+    """One call of ``fn`` under no_grad, wall clock around a synchronised call: (result, seconds, peak GB
+    allocated, peak GB reserved by the caching allocator), both above what was allocated before the
+    call (NaN off CUDA). Reserved also counts what the allocator holds unused, such as a CUDA graph's
+    pool between replays."""
+    import time
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    if not cuda:
+        return out, seconds, float("nan"), float("nan")
+    return (out, seconds, (torch.cuda.max_memory_allocated() - base) / 1e9,
+            (torch.cuda.max_memory_reserved() - base) / 1e9)

@@ -24,7 +24,7 @@ import time
 import torch
 
 import ember
-from ember.bench import BenchContext, Row
+from ember.bench import BenchContext, Row, _timing
 
 SECONDS = 600
 DAC_44K = dict(sampling_rate=44100)  # DacConfig's defaults are the 512-hop, 9-codebook geometry
@@ -43,23 +43,6 @@ def snr(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float("inf") if err == 0 else 10 * torch.log10(torch.tensor(sig / err)).item()
 
 
-def timed(fn, device) -> tuple[object, float, float]:
-    """(result, seconds, peak GB allocated above what was allocated before the call)."""
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    return out, seconds, ((torch.cuda.max_memory_allocated() - base) / 1e9 if cuda else float("nan"))
-
-
 def _row(ctx: BenchContext, name: str, model, z: torch.Tensor, hop: int, baseline, baseline_name: str) -> Row:
     def ours():
         return ember.audio.decode(model, z, progress=False)
@@ -70,13 +53,13 @@ def _row(ctx: BenchContext, name: str, model, z: torch.Tensor, hop: int, baselin
     ctx.progress(f"{name}: baseline")
     failure = None
     try:
-        ref, t_base, gb_base = timed(lambda: baseline(z), ctx.device)
+        ref, t_base, gb_base, _ = _timing.timed_with_peak(lambda: baseline(z), ctx.device)
     except RuntimeError as e:  # out of memory, or a conv past 2^31 elements: the row records why
         ref, t_base, gb_base, failure = None, None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if ctx.on_gpu:
             torch.cuda.empty_cache()
     ctx.progress(f"{name}: ember")
-    out, t, gb = timed(ours, ctx.device)
+    out, t, gb, _ = _timing.timed_with_peak(ours, ctx.device)
     quality = snr(out, ref) if ref is not None else None
     del out, ref
     if ctx.on_gpu:

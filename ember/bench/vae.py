@@ -14,7 +14,6 @@ peak_reserved_GB the same for the memory the allocator held (its cache and any C
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -78,25 +77,7 @@ def build_vae(name: str, device, dtype, tiny: bool = False):
     return vae.to(device, dtype).eval()
 
 
-def timed(fn, device) -> tuple[object, float, float, float]:
-    """(result, seconds, peak GB allocated and peak GB reserved by the caching allocator, both above
-    the memory allocated before the call). Reserved also counts what the allocator holds unused,
-    such as a CUDA graph's pool between replays."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = fn()
-    sync()
-    seconds = time.perf_counter() - t0
-    if device.type != "cuda":
-        return out, seconds, float("nan"), float("nan")
-    return (out, seconds, (torch.cuda.max_memory_allocated() - base) / 1e9,
-            (torch.cuda.max_memory_reserved() - base) / 1e9)
+timed = _timing.timed_with_peak
 
 
 def _diffusers_tiling(vae, tiled: bool):

@@ -19,7 +19,7 @@ from ember import _dispatch
 assert callable(ember.ops.pad)  # the function first: importing the module by name would shadow it
 pad_reference = sys.modules["ember.ops.pad"].pad_reference
 from tests.helpers import poisoned  # noqa: E402
-from tests.ops.test_pad import DTYPES, assert_bitwise, make  # noqa: E402
+from tests.ops.test_pad import DTYPES, _launches, assert_bitwise, make  # noqa: E402
 
 MODES = ["reflect", "replicate", "circular"]
 ALL_DTYPES = DTYPES + [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
@@ -113,22 +113,6 @@ def test_long_rows_bitwise_equals_fpad_interpreter(interpreter, case):
     mode, shape, pad, dtype, offset = case
     x = make(shape[:-1] + [shape[-1] + offset], dtype)[..., offset:]
     check_against_fpad(ember.ops.pad, mode, x, pad)
-
-
-def _launches(monkeypatch):
-    k = _dispatch.kernels("pad")
-    launches = []
-    real = k._pad_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **meta):
-                launches.append(meta)
-                return real[grid](*args, **meta)
-            return launch
-
-    monkeypatch.setattr(k, "_pad_kernel", Spy())
-    return launches
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -38,30 +38,29 @@ def _bad_entry(key: str, entry, expected: str) -> ValueError:
 
 
 # ----------------------------------------------------------------------------- tiles
+def _pow2_entry(device, key: str, field: str, lo: int, hi: int, default: int) -> int:
+    """``{field: n}`` of tuning entry ``key``, n a power of 2 in [lo, hi]; ``default`` without an entry."""
+    entry = tuning.lookup(FAMILY, key, device)
+    if entry is None:
+        return default
+    v = entry.get(field) if isinstance(entry, dict) else None
+    if isinstance(v, bool) or not isinstance(v, int) or not _pow2(v) or not lo <= v <= hi:
+        raise _bad_entry(key, entry, f'{{"{field}": a power of 2 in [{lo}, {hi}]}}')
+    return v
+
+
 def min_chunk(device) -> int:
     """Elements per program of a split row at least (key ``split``: ``{"min_chunk": n}``, a power of 2
     in [1024, ROW_BLOCK_MAX]). Fewer, longer chunks mean fewer atomics on a row's slot; the H200 is
     fastest at 1024 (bench/results/h200/sampling_chunk_sweep.json)."""
-    entry = tuning.lookup(FAMILY, "split", device)
-    if entry is None:
-        return MIN_CHUNK
-    v = entry.get("min_chunk") if isinstance(entry, dict) else None
-    if not isinstance(v, int) or not _pow2(v) or not 1024 <= v <= ROW_BLOCK_MAX:
-        raise _bad_entry("split", entry, f'{{"min_chunk": a power of 2 in [1024, {ROW_BLOCK_MAX}]}}')
-    return v
+    return _pow2_entry(device, "split", "min_chunk", 1024, ROW_BLOCK_MAX, MIN_CHUNK)
 
 
 def small_sort(device) -> int:
     """Candidates the sampler's finisher sorts as a small block instead of CAP (key ``small_sort``:
     ``{"block": n}``, a power of 2 in [16, CAP]; CAP always sorts CAP). H200 [1, 128256] k 50 + p 0.9:
     the last program's selection 2.0 us with 128, 3.8 with the 512 sort (sampling_stages_probe.json)."""
-    entry = tuning.lookup(FAMILY, "small_sort", device)
-    if entry is None:
-        return SMALL_SORT
-    v = entry.get("block") if isinstance(entry, dict) else None
-    if not isinstance(v, int) or not _pow2(v) or not 16 <= v <= CAP:
-        raise _bad_entry("small_sort", entry, f'{{"block": a power of 2 in [16, {CAP}]}}')
-    return v
+    return _pow2_entry(device, "small_sort", "block", 16, CAP, SMALL_SORT)
 
 
 class WaveConfig(NamedTuple):

@@ -15,6 +15,7 @@ from ember.ops.fp8 import dequantize_fp8, quantize_fp8, scaled_mm
 from ember.ops.linear import linear
 from ember.ops.moe import (add_rmsnorm_route_hidden, moe, moe_experts,
                            moe_experts_add_scale, moe_route, moe_route_hidden)
+from ember.ops.moe_train import moe_experts_train
 from ember.ops.norm import add_rmsnorm, add_rmsnorm_reference, rmsnorm, rmsnorm_gated, rmsnorm_silu
 from ember.ops.pad import pad
 from ember.ops.sampling import argmax, log_softmax, sample, softmax
@@ -23,6 +24,7 @@ from ember.ops.snake import snake
 __all__ = [
     "add_rmsnorm", "add_rmsnorm_reference", "add_rmsnorm_route_hidden", "argmax", "causal_conv1d",
     "dequantize_fp8", "gated_delta_rule", "linear", "log_softmax", "moe",
-    "moe_experts", "moe_experts_add_scale", "moe_route", "moe_route_hidden", "pad", "quantize_fp8", "rmsnorm",
+    "moe_experts", "moe_experts_add_scale", "moe_experts_train", "moe_route", "moe_route_hidden", "pad",
+    "quantize_fp8", "rmsnorm",
     "rmsnorm_gated", "rmsnorm_silu", "sample", "scaled_mm", "snake", "softmax",
 ]

@@ -10,6 +10,7 @@ Example:
     >>> normed, residual = ember.ops.add_rmsnorm(torch.randn(4, 64), torch.randn(4, 64), torch.ones(64))
 """
 from ember.ops.conv1d import causal_conv1d
+from ember.ops.cross_entropy import linear_cross_entropy
 from ember.ops.deltanet import gated_delta_rule
 from ember.ops.fp8 import dequantize_fp8, quantize_fp8, scaled_mm
 from ember.ops.linear import linear
@@ -23,7 +24,7 @@ from ember.ops.snake import snake
 
 __all__ = [
     "add_rmsnorm", "add_rmsnorm_reference", "add_rmsnorm_route_hidden", "argmax", "causal_conv1d",
-    "dequantize_fp8", "gated_delta_rule", "linear", "log_softmax", "moe",
+    "dequantize_fp8", "gated_delta_rule", "linear", "linear_cross_entropy", "log_softmax", "moe",
     "moe_experts", "moe_experts_add_scale", "moe_experts_train", "moe_route", "moe_route_hidden", "pad",
     "quantize_fp8", "rmsnorm",
     "rmsnorm_gated", "rmsnorm_silu", "sample", "scaled_mm", "snake", "softmax",

@@ -11,6 +11,11 @@ when given (the Wan VAE's norm + SiLU writing straight into a causal conv's inpu
 ``rmsnorm_gated(x, z, weight, eps)`` is the output norm of Qwen3.5's gated DeltaNet:
 ``(rmsnorm(x, weight, eps).float() * silu(z.float())).to(x.dtype)``, the norm rounded to x.dtype
 first exactly as the two-step path stores it; one launch instead of six.
+
+``rmsnorm`` and ``add_rmsnorm`` are differentiable (x, residual, weight): a call that needs a gradient
+goes through the registered op, whose backward is one Triton launch (ember/kernels/norm_backward.py)
+plus a small reduction of per-program weight-gradient rows; a call that needs none takes the direct
+forward path unchanged.
 """
 from __future__ import annotations
 
@@ -63,7 +68,34 @@ def rmsnorm_gated_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tens
     return (add_rmsnorm_reference(x, None, weight, eps)[0].float() * F.silu(z.float())).to(x.dtype)
 
 
+def rmsnorm_backward_reference(grad: torch.Tensor, grad_residual: torch.Tensor | None, s: torch.Tensor,
+                               weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The executable spec of the backward, float32 math: (grad of the normalised rows ``s`` in
+    s.dtype, plus ``grad_residual`` (the new residual's own gradient) when given; grad of weight in
+    weight.dtype). ``s`` is x for ``rmsnorm`` and the stored sum for ``add_rmsnorm``."""
+    sf, g = s.float(), grad.float()
+    inv = torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
+    gxhat = g * weight.float()
+    gs = inv * (gxhat - sf * inv.pow(2) * (gxhat * sf).mean(-1, keepdim=True))
+    if grad_residual is not None:
+        gs = gs + grad_residual.float()
+    gw = (g * sf * inv).reshape(-1, s.shape[-1]).sum(0)
+    return gs.to(s.dtype), gw.to(weight.dtype)
+
+
 # ----------------------------------------------------------------------------- implementation
+def _backward_impl(grad, grad_residual, s, weight, eps):
+    if not _dispatch.use_triton(s):
+        return rmsnorm_backward_reference(grad, grad_residual, s, weight, eps)
+    _dispatch.prepare_triton()
+    from ember.kernels import norm_backward as kb
+    gs = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+    H = s.shape[-1]
+    gw = kb.rmsnorm_backward(_checks.rows_2d(grad), _checks.rows_2d(grad_residual) if grad_residual is not None else None,
+                             _checks.rows_2d(s), weight.contiguous(), eps, gs.view(-1, H))
+    return gs, gw.to(weight.dtype)
+
+
 def _impl(x, residual, weight, eps):
     if not _dispatch.use_triton(x):
         return add_rmsnorm_reference(x, residual, weight, eps)
@@ -127,6 +159,51 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("ember::rmsnorm_backward", mutates_args=())
+def _rmsnorm_backward_op(grad: torch.Tensor, grad_residual: torch.Tensor | None, s: torch.Tensor,
+                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward_impl(grad, grad_residual, s, weight, eps)
+
+
+@_rmsnorm_backward_op.register_fake
+def _(grad, grad_residual, s, weight, eps):
+    return torch.empty_like(s), torch.empty_like(weight)
+
+
+# Autograd: the forward saves the normalised rows (x, or the stored sum: an output already) and the
+# weight; the backward recomputes 1/rms from them (one row read it does anyway) instead of storing it.
+def _rmsnorm_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rmsnorm_grad(ctx, grad):
+    x, weight = ctx.saved_tensors
+    gx, gw = _rmsnorm_backward_op(grad, None, x, weight, ctx.eps)
+    return gx, gw, None
+
+
+def _add_rmsnorm_setup(ctx, inputs, output):
+    x, residual, weight, eps = inputs
+    ctx.save_for_backward(output[1], weight)
+    ctx.eps = eps
+
+
+def _add_rmsnorm_grad(ctx, grad, grad_residual):
+    s, weight = ctx.saved_tensors
+    gs, gw = _rmsnorm_backward_op(grad, grad_residual, s, weight, ctx.eps)
+    return gs, gs, gw, None  # d(x + residual): the same gradient for both
+
+
+_rmsnorm_op.register_autograd(_rmsnorm_grad, setup_context=_rmsnorm_setup)
+_add_rmsnorm_op.register_autograd(_add_rmsnorm_grad, setup_context=_add_rmsnorm_setup)
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
 @torch.library.custom_op("ember::rmsnorm_gated", mutates_args=())
 def _rmsnorm_gated_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _gated_impl(x, z, weight, eps)
@@ -144,6 +221,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
     Works on any leading shape with hidden size (last dim) up to 16384; bf16, fp16 or fp32 I/O with
     float32 math. ``x`` and ``residual`` must match in shape and dtype (no broadcasting).
+    Differentiable in x, residual and weight (the sum's rounding passes gradients straight through).
 
     Example:
         >>> x, res = torch.randn(2, 8), torch.randn(2, 8)
@@ -151,19 +229,20 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """
     _checks.tensor("residual", residual)
     eps = _validate(x, residual, weight, eps)
-    if _dispatch.compiling():
+    if _dispatch.compiling() or _needs_grad(x, residual, weight):  # the registered op carries autograd
         return _add_rmsnorm_op(x, residual, weight, eps)
     return _impl(x, residual, weight, eps)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dimension in float32 math, returned in ``x.dtype``.
+    """RMSNorm over the last dimension in float32 math, returned in ``x.dtype``; differentiable in x
+    and weight.
 
     Example:
         >>> y = ember.ops.rmsnorm(torch.randn(3, 16), torch.ones(16), eps=1e-6)
     """
     eps = _validate(x, None, weight, eps)
-    if _dispatch.compiling():
+    if _dispatch.compiling() or _needs_grad(x, weight):
         return _rmsnorm_op(x, weight, eps)
     return _impl(x, None, weight, eps)[0]
 

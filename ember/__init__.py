@@ -25,6 +25,7 @@ _LAZY = {
     "nn": ("ember.nn", None),
     "vae": ("ember.vae", None),
     "audio": ("ember.audio", None),
+    "train": ("ember.train", None),
 }
 __all__ = ["ops", "doctor", "__version__", *_LAZY]
 

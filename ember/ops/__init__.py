@@ -21,11 +21,12 @@ from ember.ops.norm import add_rmsnorm, add_rmsnorm_reference, rmsnorm, rmsnorm_
 from ember.ops.pad import pad
 from ember.ops.sampling import argmax, log_softmax, sample, softmax
 from ember.ops.snake import snake
+from ember.ops.swiglu import swiglu
 
 __all__ = [
     "add_rmsnorm", "add_rmsnorm_reference", "add_rmsnorm_route_hidden", "argmax", "causal_conv1d",
     "dequantize_fp8", "gated_delta_rule", "linear", "linear_cross_entropy", "log_softmax", "moe",
     "moe_experts", "moe_experts_add_scale", "moe_experts_train", "moe_route", "moe_route_hidden", "pad",
     "quantize_fp8", "rmsnorm",
-    "rmsnorm_gated", "rmsnorm_silu", "sample", "scaled_mm", "snake", "softmax",
+    "rmsnorm_gated", "rmsnorm_silu", "sample", "scaled_mm", "snake", "softmax", "swiglu",
 ]

@@ -241,12 +241,13 @@ class _Reader:
         self._flags: list[torch.Tensor] = []
         self._flagged: list[str] = []
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str, part=None) -> torch.Tensor:
+        """The tensor ``name``; with ``part``, ``part(slice handle)`` (a tensor-parallel rank's rows only)."""
         f = self.files[name]
         if f not in self._handles:
             self._handles[f] = _open(f)
         try:
-            t = self._handles[f].get_tensor(name)
+            t = self._handles[f].get_tensor(name) if part is None else part(self._handles[f].get_slice(name))
         except Exception as e:
             raise ValueError(f"{f}: could not read tensor {name} ({type(e).__name__}: {e})") from None
         if self.progress is not None:
@@ -368,7 +369,8 @@ def validate_checkpoint(path: Path):
 
 # ----------------------------------------------------------------------------- load
 def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int = 4096, max_batch_size: int = 1,
-         fp8_lm_head: bool = False, revision: str | None = None, check_weights: bool = True):
+         fp8_lm_head: bool = False, revision: str | None = None, check_weights: bool = True,
+         tensor_parallel: int = 1):
     """Load a Hugging Face checkpoint (a directory, or a Hub repo id ``org/name``) into an
     :class:`ember.Model` ready to generate.
 
@@ -389,6 +391,10 @@ def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int =
     ``check_weights=False`` is the same load without the check, so its cost is the difference of
     the two wall times (``torch.cuda.synchronize()`` after each).
 
+    ``tensor_parallel=N`` (under ``torchrun --nproc-per-node N``, after ``ember.distributed.init()``):
+    this process loads and runs only its rank's shard (``ember.distributed``); every rank calls
+    ``load`` and ``generate`` alike and gets the same tokens.
+
     Example:
         >>> model = ember.load("Qwen/Qwen3-30B-A3B", fp8=True, max_seq_len=8192)
         >>> model.generate(["The capital of France is"], max_new_tokens=16)
@@ -406,6 +412,13 @@ def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int =
     cfg = read_config(path)
     module = module_for(cfg.get("model_type"))
     device = check_device(device)
+    plan = None
+    if tensor_parallel != 1:
+        from ember import distributed
+        plan = distributed.plan_for(cfg, tensor_parallel)  # the process group has N ranks; cfg splits N ways
+        device = distributed.device_for(device, plan.rank)
+        if fp8_lm_head:
+            raise ValueError("fp8_lm_head: not supported with tensor_parallel > 1 (the lm_head is split by vocabulary)")
     quant = _check_quantization(cfg)
     if fp8_lm_head and not (fp8 or quant):
         raise ValueError("fp8_lm_head: needs fp8=True or an FP8 checkpoint (the lm_head is quantised with the "
@@ -416,13 +429,17 @@ def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int =
     for aux in ("generation_config.json", "tokenizer_config.json"):  # fail before the long part
         if (path / aux).is_file():
             read_json(path / aux)
-    _check_memory(device, _tensor_bytes(files, dtype, fp8), "weights")
+    _check_memory(device, _tensor_bytes(files, dtype, fp8) // tensor_parallel, "weights")  # a shard: ~1/N
     name = path.name if Path(given).expanduser().is_dir() else given
-    with _progress_bar(files, name) as progress:
+    with _progress_bar(files if plan is None else {}, name) as progress:
         reader = _Reader(files, device, check_weights, progress)
-        src = _common.TensorSource(set(files), reader, device, dtype)
-        net = _build(module, cfg, src, fp8=fp8, max_seq_len=max_seq_len)
-        reader.verify()
+        if plan is None:
+            src = _common.TensorSource(set(files), reader, device, dtype)
+        else:  # this rank's slices only; a failure on any rank is raised on every rank
+            src, module = distributed.checkpoint_source(plan, set(files), reader, device, dtype), distributed.builder()
+        with contextlib.nullcontext() if plan is None else distributed.all_ranks_or_none("loading the shard"):
+            net = _build(module, cfg, src, fp8=fp8, max_seq_len=max_seq_len)
+            reader.verify()
     check_unused(src, cfg)
     if fp8_lm_head:
         quantize_lm_head(net)

@@ -1,19 +1,18 @@
-"""The decode engine: static KV cache, prefill, a decode step captured once in a CUDA graph, sampling,
-stop handling, text in / text out.
+"""The decode engine: static KV cache, chunked prefill, a decode step captured in CUDA graphs per batch
+bucket, sampling, stop handling, text in / text out; ``generate`` and ``stream`` are clients of the
+continuous-batching scheduler (``ember.engine.scheduler``), which owns the loop.
 
-One decode step is embedding -> every layer -> final norm -> lm_head -> ``ember.ops.sample``, with the
-sampled token, positions and lengths written back into static device buffers, so a replay of the
-captured graph is the whole step and the host only reads the new tokens (one step behind the GPU,
-so the GPU never waits for Python). Prefill runs one prompt at a time into that prompt's cache row.
-On the GPU it is captured too, per (cache row, length bucket) from the second prompt of that
-bucket on (the first runs eagerly: a capture costs more than a dozen eager prefills, so only
-lengths that recur are captured): prompts are padded with token 0 to a multiple of
-``prefill_bucket`` tokens (the padding comes after the prompt, so causal attention keeps it out of
-the real positions; its cache entries lie past the sequence length and are overwritten by
-decoding) and the logits are read at the last real position. Why: an eager prefill
-is host-bound (H200, Qwen3-30B-A3B shapes, 2048 tokens: ~1.1 ms of GPU work per layer, ~2.2 ms of
-Python and launch time per layer). Models with recurrent state (LFM2, Qwen3.5) prefill eagerly:
-padding would run through their state. On CPU the same steps run eagerly through the reference ops.
+One decode step is embedding -> every layer -> final norm -> lm_head -> argmax or ``ember.ops.sample``,
+with the sampled token, positions and lengths written back into static device buffers, so a replay of
+the captured graph is the whole step and the host only reads the new tokens (one step behind the GPU,
+so the GPU never waits for Python). The cache rows are the scheduler's slots: a row whose request is
+not decoding (free, or still prefilling) has ``_active`` 0, so the step leaves its position at the
+scratch position ``max_seq_len - 1`` and its length at 1 (its writes land in its own row and its
+outputs are ignored). Prefill runs eagerly, one chunk of one prompt at a time into that prompt's
+cache row, at chunk lengths from a small fixed set that warm-up runs once each (why eager and not
+captured: a capture costs 1.3-3.5 s per length on the H200, 15-40 eager prefills; an eager prefill
+is host-bound, ~2.2 ms of Python and launches per layer at 2048 tokens). On CPU the same steps run
+eagerly through the reference ops.
 
 Example:
     >>> model = ember.load("Qwen3-30B-A3B")
@@ -24,10 +23,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 import os
 import random
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -119,14 +120,15 @@ class Model:
     """A loaded model with its static KV cache; built by :func:`ember.load`.
 
     ``model(input_ids)`` is a cache-free forward ([B, T] -> logits [B, T, V]); ``generate`` and
-    ``stream`` decode with the cache (CUDA graph on GPU).
+    ``stream`` decode with the cache (CUDA graphs on GPU) through :attr:`scheduler`.
     """
 
     def __init__(self, net, config: dict, tokenizer, *, max_seq_len: int, max_batch_size: int,
-                 eos_ids: Sequence[int] = (), fp8: bool = False, name: str = "model", prefill_bucket: int = 256):
+                 eos_ids: Sequence[int] = (), fp8: bool = False, name: str = "model", prefill_chunk: int = 512):
         self.net, self.config, self.tokenizer = net, config, tokenizer
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
         self.fp8, self.name = fp8, name
+        self.prefill_chunk = prefill_chunk  # the default scheduler's chunk length
         self.eos_ids = set(eos_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -140,25 +142,38 @@ class Model:
         self._recurrent_state = [t for layer, cache in zip(net.layers, self.caches)
                                  if hasattr(layer.attn, "cache_spec") for t in cache]
         B, dev = max_batch_size, self.device
-        # Static decode state: the CUDA graph reads and advances these in place.
+        # Static decode state: the CUDA graphs read and advance these in place. Rows start free.
         self._tokens = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._positions = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._positions = torch.full((B,), max_seq_len - 1, dtype=torch.int64, device=dev)
         self._seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self._active = torch.zeros(B, dtype=torch.int64, device=dev)     # 1: the row's request is decoding
+        self._active32 = torch.zeros(B, dtype=torch.int32, device=dev)   # the same, for the int32 lengths
         self._temperature = torch.zeros(B, dtype=torch.float32, device=dev)
         self._top_k = torch.zeros(B, dtype=torch.int64, device=dev)
         self._top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self._min_p = torch.zeros(B, dtype=torch.float32, device=dev)
         self._seed = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._offset = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch, all greedy) -> graph
-        self._greedy = True
+        # per row: tokens its request has sampled so far, the sampler's counter (one draw per call)
+        self._offset = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._per_row_offsets = _sample_takes_row_offsets()
+        self._one_row = {"temperature": torch.zeros(1, dtype=torch.float32, device=dev),
+                         "top_k": torch.zeros(1, dtype=torch.int64, device=dev),
+                         "top_p": torch.ones(1, dtype=torch.float32, device=dev),
+                         "min_p": torch.zeros(1, dtype=torch.float32, device=dev),
+                         "seed": torch.zeros(1, dtype=torch.int64, device=dev),
+                         "offset": torch.zeros(1, dtype=torch.int64, device=dev)}  # see _first_token
+        k = min(TOP_LOGPROBS, net.vocab_size)
+        self._lp = torch.zeros(B, dtype=torch.float32, device=dev)                  # chosen token's logprob
+        self._top_lp = torch.zeros(B, k, dtype=torch.float32, device=dev)           # top-k logprobs
+        self._top_ids = torch.zeros(B, k, dtype=torch.int64, device=dev)
+        # (batch, all greedy, logprobs) -> graph
+        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self._greedy, self._logprobs = True, False  # what _step computes (baked into a capture)
         self._argmax_fn = None
         self.use_cuda_graph = dev.type == "cuda"
-        # (cache row, padded length) -> (ids, last index, logits, graph); 0 or recurrent state: eager
-        self.prefill_bucket = 0 if self._recurrent_state else prefill_bucket
-        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
-        self._prefill_seen: set[tuple[int, int]] = set()  # (row, bucket) prefilled once, eagerly
-        self._prefill_pool = None
+        self.capture_s = 0.0  # seconds spent capturing decode graphs so far
+        self._scheduler = None
+        self._scheduler_lock = threading.Lock()
         self.stats = Stats()
 
     def _check_host_memory(self, net, max_batch_size: int, max_seq_len: int) -> None:
@@ -194,14 +209,35 @@ class Model:
             raise ValueError(f"input_ids: expected token ids in [0, {self.net.vocab_size}), got values in "
                              f"[{int(ids.min())}, {int(ids.max())}]")
 
+    # ------------------------------------------------------------------ the scheduler
+    @property
+    def scheduler(self):
+        """The continuous-batching scheduler over this model's cache rows (created on first use with
+        ``prefill_chunk``; an ``ember.engine.scheduler.Scheduler(model, ...)`` built later replaces it)."""
+        with self._scheduler_lock:
+            if self._scheduler is None:
+                from ember.engine.scheduler import Scheduler
+                Scheduler(self, prefill_chunk=self.prefill_chunk)
+            return self._scheduler
+
     # ------------------------------------------------------------------ decode step
     def _next_tokens(self, logits: torch.Tensor, B: int) -> torch.Tensor:
         if self._greedy:
             # All rows greedy: argmax, no filtering or random numbers (cheaper than sample at T=0).
             return self._argmax(logits)
+        # with per-row counters, row r draws from (seed[r], offset[r]) whatever the batch or slot
+        offset = self._offset[:B] if self._per_row_offsets else self._offset[:1]
         return ember.ops.sample(logits, temperature=self._temperature[:B], top_k=self._top_k[:B],
                                 top_p=self._top_p[:B], min_p=self._min_p[:B], seed=self._seed[:B],
-                                offset=self._offset, check=False)  # SamplingParams validated the values
+                                offset=offset, check=False)  # SamplingParams validated the values
+
+    def _write_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: slice) -> None:
+        """log_softmax of the raw logits (before temperature and filters) at the chosen tokens and its top-k."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        self._lp[rows].copy_(lp.gather(1, tokens.view(-1, 1)).view(-1))
+        top = lp.topk(self._top_lp.shape[1], dim=-1)
+        self._top_lp[rows].copy_(top.values)
+        self._top_ids[rows].copy_(top.indices)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self._argmax_fn is None:
@@ -215,17 +251,20 @@ class Model:
         return self._argmax_fn(logits)
 
     def _step(self, B: int) -> None:
+        """One decode step of rows 0..B-1; rows with ``_active`` 0 keep their position and length."""
         logits = self.net.decode(self._tokens[:B], self._positions[:B], self._seq_lens[:B], self.caches)
         nxt = self._next_tokens(logits, B)
-        self._tokens[:B].copy_(nxt)
-        self._positions[:B].add_(1)
-        self._seq_lens[:B].add_(1)
+        if self._logprobs:
+            self._write_logprobs(logits, nxt, slice(0, B))
+        torch.mul(nxt, self._active[:B], out=self._tokens[:B])  # a free row feeds token 0, never garbage
+        self._positions[:B].add_(self._active[:B])
+        self._seq_lens[:B].add_(self._active32[:B])
 
     def _capture(self, B: int) -> torch.cuda.CUDAGraph:
         """Warm up (Triton compiles, autotunes) and capture one decode step for batch B.
 
-        The warm-up steps advance the state and write cache entries past the live length; the
-        state is restored afterwards and those entries are overwritten before anything reads them.
+        The warm-up steps advance the state and write cache entries at the rows' current positions;
+        the state is restored afterwards and those entries are rewritten before anything reads them.
         """
         live = [self._tokens, self._positions, self._seq_lens, self._offset, *self._recurrent_state]
         saved = [t.clone() for t in live]
@@ -243,82 +282,126 @@ class Model:
         torch.cuda.synchronize(self.device)
         return graph
 
+    def _graph(self, B: int, greedy: bool, logprobs: bool) -> torch.cuda.CUDAGraph:
+        """The captured step for (B, greedy, logprobs), captured now if warm-up did not (timed in capture_s)."""
+        key = (B, greedy, logprobs)
+        graph = self._graphs.get(key)
+        if graph is None:
+            t0 = time.perf_counter()
+            saved = self._greedy, self._logprobs
+            self._greedy, self._logprobs = greedy, logprobs
+            try:
+                with torch.no_grad():
+                    graph = self._graphs[key] = self._capture(B)
+            finally:
+                self._greedy, self._logprobs = saved
+            self.capture_s += time.perf_counter() - t0
+        return graph
+
+    def _decode(self, B: int, greedy: bool, logprobs: bool) -> None:
+        """Run one decode step of rows 0..B-1 (a graph replay on the GPU, eager elsewhere)."""
+        if self.use_cuda_graph:
+            self._graph(B, greedy, logprobs).replay()
+            return
+        self._greedy, self._logprobs = greedy, logprobs
+        self._step(B)
+
+    # ------------------------------------------------------------------ one cache row (slot)
+    def _prefill_chunk(self, row: int, ids: list[int], start: int, padded: int) -> torch.Tensor:
+        """Prefill ``ids`` at positions start.. into cache row ``row``, padded with token 0 to ``padded``
+        tokens (after the real ones: causal attention keeps the padding out of them, and decoding
+        rewrites its cache entries); logits [1, V] at the last real token."""
+        row_caches = [tuple(t[row:row + 1] for t in layer) for layer in self.caches]
+        x = _to_device(torch.tensor([ids + [0] * (padded - len(ids))], dtype=torch.int64), self.device)
+        if padded == len(ids):
+            return self.net.prefill(x, row_caches, last_only=True, start=start)
+        last = _to_device(torch.tensor([len(ids) - 1], dtype=torch.int64), self.device)
+        return self.net.prefill(x, row_caches, last_index=last, start=start)
+
+    def _set_row_sampling(self, row: int, s: SamplingParams, seed: int) -> None:
+        """The row's sampling parameters and seed, its sampler counter at 0 (device fills, no host sync)."""
+        self._temperature[row] = float(s.temperature)
+        self._top_k[row] = int(s.top_k)
+        self._top_p[row] = float(s.top_p)
+        self._min_p[row] = float(s.min_p)
+        self._seed[row] = seed
+        self._offset[row] = 0
+
+    def _first_token(self, row: int, logits: torch.Tensor, sampling: SamplingParams, seed: int,
+                     logprobs: bool) -> torch.Tensor:
+        """The first new token [1] from the prefill's logits [1, V], drawn from (seed, counter 0) as
+        the decode step then draws row ``row``'s later tokens; logprobs into the row's buffers.
+
+        The sampler reads one-element buffers of its own rather than views at ``row``: a view's
+        address changes Triton's alignment key, and a row other than 0 would compile a new variant."""
+        if sampling.temperature == 0:
+            tok = self._argmax(logits)
+        else:
+            one = self._one_row
+            one["temperature"].fill_(float(sampling.temperature))
+            one["top_k"].fill_(int(sampling.top_k))
+            one["top_p"].fill_(float(sampling.top_p))
+            one["min_p"].fill_(float(sampling.min_p))
+            one["seed"].fill_(seed)
+            one["offset"].zero_()
+            tok = ember.ops.sample(logits, **one, check=False)
+            self._offset[row:row + 1].copy_(one["offset"])  # the counter after this draw
+        if logprobs:
+            self._write_logprobs(logits, tok, slice(row, row + 1))
+        return tok
+
+    def _join(self, row: int, token: torch.Tensor, prompt_len: int) -> None:
+        """Row ``row`` decodes from the next step on: its first token, position and length."""
+        self._tokens[row:row + 1].copy_(token)
+        self._positions[row] = prompt_len
+        self._seq_lens[row] = prompt_len + 1
+        self._active[row] = 1
+        self._active32[row] = 1
+
+    def _release(self, row: int) -> None:
+        """Row ``row`` is free: the step keeps it at the scratch position with length 1."""
+        self._active[row] = 0
+        self._active32[row] = 0
+        self._positions[row] = self.max_seq_len - 1
+        self._seq_lens[row] = 1
+
     # ------------------------------------------------------------------ for benchmarks and tools
     def decode_graph(self, batch_size: int, greedy: bool = True) -> torch.cuda.CUDAGraph:
-        """The CUDA graph of one decode step at ``batch_size`` rows (all greedy or not), captured by an
-        earlier ``warmup`` / ``generate``: what ``ember bench`` replays to time the step the engine runs.
-        A documented internal API (a ``KeyError`` naming the missing capture otherwise)."""
+        """The CUDA graph of one decode step at ``batch_size`` rows (all greedy or not, no logprobs),
+        captured by an earlier ``warmup`` / ``generate``: what ``ember bench`` replays to time the step
+        the engine runs. A documented internal API (a ``KeyError`` naming the missing capture otherwise)."""
         try:
-            return self._graphs[(batch_size, greedy)]
+            return self._graphs[(batch_size, greedy, False)]
         except KeyError:
+            have = sorted(k[:2] for k in self._graphs if not k[2])
             raise KeyError(f"no captured decode step for batch {batch_size}, greedy={greedy}; run "
-                           f"model.warmup({batch_size}) or a generate first (captured: {sorted(self._graphs)})") from None
+                           f"model.warmup({batch_size}) or a generate first (captured: {have})") from None
 
     def prefill_last(self, row: int, prompt: list[int]) -> torch.Tensor:
-        """Prefill ``prompt`` into cache row ``row`` exactly as ``generate`` does (eager on a length's
-        first prompt, then a captured graph per rounded length); logits [1, V] at its last position.
-        A documented internal API for benchmarks."""
-        return self._prefill_last(row, prompt)
+        """Prefill ``prompt`` into cache row ``row`` exactly as the scheduler does (eager chunks of the
+        scheduler's chunk lengths); logits [1, V] at its last position. A documented internal API for
+        benchmarks (run it while no request is in flight)."""
+        return self.scheduler.prefill_last(row, prompt)
 
-    # ------------------------------------------------------------------ prefill
-    def _prefill_last(self, b: int, prompt: list[int]) -> torch.Tensor:
-        """Prefill ``prompt`` into cache row ``b``; logits [1, V] at its last position."""
-        row_caches = [tuple(t[b:b + 1] for t in layer) for layer in self.caches]
-        T = len(prompt)
-        padded = min(-(-T // max(self.prefill_bucket, 1)) * self.prefill_bucket, self.max_seq_len)
-        key = (b, padded)
-        if not (self.use_cuda_graph and self.prefill_bucket) or (key not in self._prefill_graphs
-                                                                 and key not in self._prefill_seen):
-            # First prompt of this (row, bucket): eager. A capture costs ~1.3-3.5 s at 2048 tokens
-            # (H200), ~15-40 eager prefills, so only lengths that come back are captured.
-            self._prefill_seen.add(key)
-            return self.net.prefill(torch.tensor([prompt], device=self.device), row_caches, last_only=True)
-        entry = self._prefill_graphs.get(key)
-        if entry is None:
-            t0 = time.perf_counter()
-            entry = self._prefill_graphs[key] = self._capture_prefill(row_caches, padded)
-            self.stats.warmup_s += time.perf_counter() - t0
-        ids, last, logits, graph = entry
-        ids.zero_()
-        ids[0, :T].copy_(torch.tensor(prompt))
-        last.fill_(T - 1)
-        graph.replay()
-        return logits.clone()  # the static buffer is rewritten by the next replay
+    def warmup(self, batch_size: int | None = None, greedy: bool | None = None) -> float:
+        """Get ready to decode without capturing or compiling on a request's critical path; seconds.
 
-    def _capture_prefill(self, row_caches, padded: int) -> tuple:
-        """Warm up and capture a prefill of ``padded`` tokens into ``row_caches`` (all prefill graphs
-        share one memory pool: they never run at the same time)."""
-        ids = torch.zeros((1, padded), dtype=torch.int64, device=self.device)
-        last = torch.zeros(1, dtype=torch.int64, device=self.device)
-        run = lambda: self.net.prefill(ids, row_caches, last_index=last)  # noqa: E731
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            run()  # Triton compiles; the cache entries it writes are rewritten by every replay
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._prefill_pool is None:
-            self._prefill_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._prefill_pool):
-            logits = run()
-        return ids, last, logits, graph
+        No arguments: everything the scheduler uses (every batch bucket's graphs, greedy or not, with
+        and without logprobs, and each prefill chunk length once). ``warmup(batch_size, greedy)``:
+        only that decode graph (``greedy`` default True: all rows greedy, the argmax step).
 
-    def warmup(self, batch_size: int = 1, greedy: bool | None = None) -> float:
-        """Capture the decode graph for ``batch_size`` now (else the first generate does it); seconds.
-        ``greedy`` picks the all-greedy (argmax) or the sampling graph (default: the current one)."""
-        key = (batch_size, self._greedy if greedy is None else greedy)
-        if not self.use_cuda_graph or key in self._graphs:
+        Example:
+            >>> model.warmup()            # before serving
+            >>> model.warmup(8, greedy=True)
+        """
+        if batch_size is None:
+            return self.scheduler.warmup()
+        if not self.use_cuda_graph or (batch_size, greedy is not False, False) in self._graphs:
             return 0.0
         t0 = time.perf_counter()
-        saved, self._greedy = self._greedy, key[1]
-        try:
-            with torch.no_grad():
-                self._graphs[key] = self._capture(batch_size)
-        finally:
-            self._greedy = saved
+        self.scheduler.run_in_loop(lambda: self._graph(batch_size, greedy is not False, False))
         return time.perf_counter() - t0
 
-    # ------------------------------------------------------------------ generation core
     def _prepare(self, prompts, sampling, stop):
         """Normalise inputs -> (is_text, id lists, per-row SamplingParams, per-row stop (ids, strings))."""
         single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -370,22 +453,9 @@ class Model:
             parsed.append((tok_ids, [x for x in items if isinstance(x, str)]))
         return is_text, ids, sampling, parsed
 
-    def _set_sampling(self, sampling: list[SamplingParams]) -> None:
-        B = len(sampling)
-        seeds = [s.seed if s.seed is not None else random.getrandbits(62) for s in sampling]
-        vals = {"temperature": [float(s.temperature) for s in sampling], "top_k": [int(s.top_k) for s in sampling],
-                "top_p": [float(s.top_p) for s in sampling], "min_p": [float(s.min_p) for s in sampling]}
-        self._temperature[:B].copy_(torch.tensor(vals["temperature"]))
-        self._top_k[:B].copy_(torch.tensor(vals["top_k"]))
-        self._top_p[:B].copy_(torch.tensor(vals["top_p"]))
-        self._min_p[:B].copy_(torch.tensor(vals["min_p"]))
-        self._seed[:B].copy_(torch.tensor(seeds))
-        self._offset.zero_()
-        self._greedy = all(s.temperature == 0 for s in sampling)
-
-    def _decode_rows(self, ids: list[list[int]], sampling: list[SamplingParams], max_new_tokens: int) -> Iterator[list[int]]:
-        """Yield the new token of every row, step by step (the caller stops iterating when done)."""
-        B = len(ids)
+    def _check_new_tokens(self, ids: list[list[int]], max_new_tokens) -> int | None:
+        """Validate max_new_tokens against the prompts; the new-token count past which the longest row
+        runs beyond max_position_embeddings (None when it never does)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         longest = max(len(p) for p in ids)
@@ -393,64 +463,22 @@ class Model:
             raise ValueError(f"prompts: prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"max_seq_len={self.max_seq_len} (pass a larger max_seq_len to ember.load)")
         limit = self.max_position_embeddings
-        # new tokens after which a row sits past the trained length: warned about once, when it happens
-        past = max(limit - longest + 1, 1) if limit is not None and longest + max_new_tokens > limit else None
-        st = self.stats = Stats(prompt_tokens=sum(len(p) for p in ids))
-        self._set_sampling(sampling)
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
-        with torch.no_grad():
-            sync()
-            t0 = time.perf_counter()
-            last = []
-            for b, p in enumerate(ids):  # each prompt into its own cache row
-                last.append(self._prefill_last(b, p))
-            logits = torch.cat(last)                                                   # [B, V]
-            first = self._next_tokens(logits, B)
-            self._tokens[:B].copy_(first)
-            lens = torch.tensor([len(p) for p in ids], device=self.device)
-            self._positions[:B].copy_(lens)
-            self._seq_lens[:B].copy_(lens + 1)
-            first_host = first.tolist()
-            st.prefill_s = time.perf_counter() - t0 - st.warmup_s  # prefill graph captures are warm-up
-            st.new_tokens = 1
-            if past == 1:
-                self._warn_past_positions(longest, limit)
-            yield first_host
-            if max_new_tokens == 1:
-                return
-            graph = None
-            if self.use_cuda_graph:
-                st.warmup_s += self.warmup(B)
-                graph = self._graphs[(B, self._greedy)]
-            t1 = time.perf_counter()
-            # The host reads step k's tokens while the GPU runs step k + 1.
-            host = [torch.empty(B, dtype=torch.int64, pin_memory=self.device.type == "cuda") for _ in range(2)]
-            events = [torch.cuda.Event() if graph is not None else None for _ in range(2)]
-            pending = None
-            for k in range(max_new_tokens - 1):
-                if graph is not None:
-                    graph.replay()
-                    host[k % 2].copy_(self._tokens[:B], non_blocking=True)
-                    events[k % 2].record()
-                else:
-                    self._step(B)
-                    host[k % 2].copy_(self._tokens[:B])
-                if pending is not None:
-                    if events[pending] is not None:
-                        events[pending].synchronize()
-                    st.new_tokens += 1
-                    st.decode_s = time.perf_counter() - t1
-                    if st.new_tokens == past:
-                        self._warn_past_positions(longest, limit)
-                    yield host[pending].tolist()
-                pending = k % 2
-            if events[pending] is not None:
-                events[pending].synchronize()
-            st.new_tokens += 1
-            st.decode_s = time.perf_counter() - t1
-            if st.new_tokens == past:
-                self._warn_past_positions(longest, limit)
-            yield host[pending].tolist()
+        return max(limit - longest + 1, 1) if limit is not None and longest + max_new_tokens > limit else None
+
+    def _submit_all(self, ids, sampling, stops, max_new_tokens) -> list:
+        from ember.engine.scheduler import Request
+        sched = self.scheduler
+        handles = []
+        try:
+            for p, s, (tok_stop, str_stop) in zip(ids, sampling, stops):
+                handles.append(sched.submit(Request(
+                    prompt=p, max_tokens=max_new_tokens, sampling=s, stop_ids=frozenset(tok_stop),
+                    stop_strings=tuple(str_stop) if self.tokenizer is not None else ())))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
 
     def _warn_past_positions(self, longest: int, limit: int) -> None:
         warnings.warn(f"{self.name}: the sequence ({longest} prompt tokens + new ones) now runs past the model's "
@@ -460,7 +488,7 @@ class Model:
     # ------------------------------------------------------------------ public generation API
     def generate(self, prompts, max_new_tokens: int = 128, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  stop=None) -> list:
-        """Generate continuations for a batch of prompts (<= max_batch_size).
+        """Generate continuations for a batch of prompts (<= max_batch_size), through the scheduler.
 
         ``prompts``: a string, a list of strings, a list of token ids, or a list of such lists.
         ``sampling``: one SamplingParams for all rows or one per row (default greedy).
@@ -472,36 +500,41 @@ class Model:
             >>> model.generate(["Hi", "Bye"], max_new_tokens=8, sampling=ember.SamplingParams(temperature=0.7, seed=1))
         """
         is_text, ids, sampling, stops = self._prepare(prompts, sampling, stop)
-        B = len(ids)
-        out: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
-        texts = [""] * B
-        for toks in self._decode_rows(ids, sampling, max_new_tokens):
-            for b, t in enumerate(toks):
-                if done[b]:
-                    continue
-                if t in stops[b][0]:
-                    done[b] = True
-                    continue
-                out[b].append(t)
-                if stops[b][1] and self.tokenizer is not None:
-                    texts[b] = self.tokenizer.decode(out[b])
-                    if any(s in texts[b] for s in stops[b][1]):
-                        done[b] = True
-            if all(done):
-                break
+        past = self._check_new_tokens(ids, max_new_tokens)
+        capture0 = self.capture_s
+        t0 = time.perf_counter()
+        handles = self._submit_all(ids, sampling, stops, max_new_tokens)
+        try:
+            for h in handles:
+                h.wait()
+        except BaseException:  # KeyboardInterrupt while waiting: free the slots
+            for h in handles:
+                h.cancel()
+            raise
+        for h in handles:
+            if h.finish_reason == "error":
+                raise h.exception or RuntimeError(h.error)
+        first = max(h.first_token_time for h in handles)
+        last = max(h.last_token_time for h in handles)
+        warm = self.capture_s - capture0
+        self.stats = Stats(prompt_tokens=sum(len(p) for p in ids), prefill_s=first - t0,
+                           new_tokens=max(h.sampled_tokens for h in handles),
+                           decode_s=max(last - first - warm, 0.0), warmup_s=warm)
+        if past is not None and self.stats.new_tokens >= past:
+            self._warn_past_positions(max(len(p) for p in ids), self.max_position_embeddings)
         if not is_text:
-            return out
+            return [list(h.tokens) for h in handles]
         results = []
-        for b in range(B):
-            text = self.tokenizer.decode(out[b])
+        for b, h in enumerate(handles):
+            text = self.tokenizer.decode(h.tokens)
             cut = min([text.index(s) for s in stops[b][1] if s in text], default=len(text))
             results.append(text[:cut])
         return results
 
     def stream(self, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None, stop=None) -> Iterator:
         """Yield the continuation of one prompt as it is decoded: text pieces for a text prompt
-        (whole characters only), token ids for a token-id prompt.
+        (whole characters only), token ids for a token-id prompt. Closing the generator early
+        cancels the request (its slot is freed within one decode step).
 
         Example:
             >>> for piece in model.stream("Once upon a time", max_new_tokens=32):
@@ -510,24 +543,57 @@ class Model:
         if isinstance(prompt, (list, tuple)) and prompt and (isinstance(prompt[0], str) or _is_sequence(prompt[0])):
             raise ValueError("prompt: stream takes one prompt (a string or a list of token ids)")
         is_text, ids, sampling, stops = self._prepare(prompt, sampling, stop)
-        tok_stop, str_stop = stops[0]
-        out: list[int] = []
-        emitted = ""
-        for (t,) in self._decode_rows(ids, sampling, max_new_tokens):
-            if t in tok_stop:
-                return
-            out.append(t)
-            if not is_text:
-                yield t
-                continue
-            text = self.tokenizer.decode(out)
-            hit = min([text.index(s) for s in str_stop if s in text], default=None)
-            if hit is not None:
-                if hit > len(emitted):
-                    yield text[len(emitted):hit]
-                return
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-                continue
-            if len(text) > len(emitted):
-                yield text[len(emitted):]
-                emitted = text
+        past = self._check_new_tokens(ids, max_new_tokens)
+        return self._stream(is_text, ids, sampling, stops, max_new_tokens, past)
+
+    def _stream(self, is_text, ids, sampling, stops, max_new_tokens, past) -> Iterator:
+        t0 = time.perf_counter()
+        (h,) = self._submit_all(ids, sampling, stops, max_new_tokens)
+        self.stats = Stats(prompt_tokens=len(ids[0]))
+        n = 0
+        try:
+            for ev in h:
+                if ev.finish_reason == "error":
+                    raise h.exception or RuntimeError(h.error)
+                if ev.token is not None:
+                    n += 1
+                    if n == past:
+                        self._warn_past_positions(len(ids[0]), self.max_position_embeddings)
+                if is_text:
+                    if ev.text:
+                        yield ev.text
+                elif ev.token is not None:
+                    yield ev.token
+        finally:
+            h.cancel()  # a generator closed early: free the slot (a no-op once finished)
+            h.wait(timeout=10)
+            if h.first_token_time is not None:
+                st = self.stats
+                st.prefill_s = h.first_token_time - t0
+                st.new_tokens = h.sampled_tokens
+                st.decode_s = (h.last_token_time or h.first_token_time) - h.first_token_time
+
+
+TOP_LOGPROBS = 20  # the most top logprobs a request may ask for (what the logprobs step computes)
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync (pinned staging; the caching host allocator
+    keeps the staging buffer until the copy has run)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@functools.cache
+def _sample_takes_row_offsets() -> bool:
+    """Whether ``ember.ops.sample`` takes one counter per row (seed and offset of ``batch`` elements:
+    row r then draws from (seed[r], offset[r]) alone); older samplers take one shared counter.
+    (Asked once of the sampling module itself: a probe, not a draw anyone should see.)"""
+    from ember.ops import sampling
+    try:
+        sampling.sample(torch.zeros(2, 4), temperature=1.0, seed=torch.zeros(2, dtype=torch.int64),
+                        offset=torch.zeros(2, dtype=torch.int64))
+        return True
+    except (ValueError, TypeError):
+        return False

@@ -133,18 +133,28 @@ class Attention(nn.Module):
         return qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
 
     def prefill(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """h [B, T, H] at positions 0..T-1 -> [B, T, H]; writes k, v into cache [B, KVH, >=T, D] if given."""
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
+        """h [B, T, H] at positions start..start+T-1 -> [B, T, H]; writes k, v into cache [B, KVH, >=start+T, D]
+        if given. ``start`` > 0 (a later chunk of a prompt, cache required) attends over the cached
+        positions 0..start-1 too."""
         c = self.cfg
         B, T, _ = h.shape
         qkv = self.qkv(h)
         if cache is not None:  # norms, RoPE and the cache write in one launch; k, v then read from the cache
             # (H200, Qwen3-30B-A3B prefill of 2048 tokens: 40.9 vs 48.2 ms for ~20 launches a layer,
             # measured with the earlier atomic MoE combine; 43.7 ms with the fixed-order one)
-            q = attn_ops.prefill_qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos, sin, cache[0], cache[1],
+            # A chunk at ``start``: the op writes positions 0..T-1 of the views shifted by start (cache
+            # and RoPE table alike), so the kernel is the whole-prompt one, unchanged.
+            q = attn_ops.prefill_qk_norm_rope_cache(qkv, self.q_norm, self.k_norm, cos[start:], sin[start:],
+                                                    cache[0][:, :, start:], cache[1][:, :, start:],
                                                     num_heads=c.num_heads, eps=c.rms_norm_eps)
-            q, k, v = q.transpose(1, 2), cache[0][:B, :, :T], cache[1][:B, :, :T]
+            q, k, v = q.transpose(1, 2), cache[0][:B, :, :start + T], cache[1][:B, :, :start + T]
+            if start:
+                return self.o(_attend_after_prefix(q, k, v, start, self.scale).transpose(1, 2)
+                              .reshape(B, T, c.num_heads * c.head_dim))
         else:
+            if start:
+                raise ValueError(f"start: a prefill from position {start} needs the cache holding 0..{start - 1}")
             q, k, v = self._split(qkv)
             q = ember.ops.rmsnorm(q.reshape(B, T, c.num_heads, c.head_dim), self.q_norm, c.rms_norm_eps)
             k = ember.ops.rmsnorm(k.reshape(B, T, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_norm_eps)
@@ -177,6 +187,19 @@ class Attention(nn.Module):
                                         num_heads=c.num_heads, eps=c.rms_norm_eps, prenorm=prenorm)
         out = attn_ops.decode_attention(q, cache[0], cache[1], seq_lens, scale=self.scale)  # [B, NH * D]
         return self.o(out)
+
+
+def _attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of T queries at positions start..start+T-1 over k, v [B, KVH, start+T, D]:
+    query i sees keys 0..start+i. SDPA's ``is_causal`` aligns the mask top-left (query i sees keys
+    0..i), so the mask is explicit; kv heads are repeated so that the masked kernels (which take no
+    GQA flag) apply."""
+    T, S = q.shape[2], k.shape[2]
+    mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class DenseMLP(nn.Module):
@@ -293,15 +316,33 @@ class CausalLM(nn.Module):
         return self.lm_head(normed)
 
     def prefill(self, input_ids: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                last_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] (positions 0..T-1) -> logits [B, T, V] ([B, V] with last_only, or at
-        position ``last_index`` (int64 [1], on the device) of every row)."""
+                last_only: bool = False, last_index: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+        """input_ids [B, T] (positions start..start+T-1) -> logits [B, T, V] ([B, V] with last_only, or
+        at index ``last_index`` (int64 [1], on the device) of every row).
+
+        ``start`` > 0 continues a prompt whose positions 0..start-1 the caches already hold (chunked
+        prefill): attention reads that prefix, conv / recurrent mixers continue from their state.
+
+        Example:
+            >>> first = net.prefill(ids[:, :512], caches, last_only=True)
+            >>> logits = net.prefill(ids[:, 512:], caches, last_only=True, start=512)
+        """
         T = input_ids.shape[1]
-        if T > self.cos.shape[0]:
-            raise ValueError(f"input_ids: expected at most {self.cos.shape[0]} tokens (max_seq_len), got {T}")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start: expected an int >= 0, got {start!r}")
+        if start + T > self.cos.shape[0]:
+            raise ValueError(f"input_ids: expected at most {self.cos.shape[0]} tokens (max_seq_len) from position "
+                             f"{start}, got {T}")
+        if start and caches is None:
+            raise ValueError(f"start: a prefill from position {start} needs the caches holding 0..{start - 1}")
         x = F.embedding(input_ids, self.embed)
-        return self._run(x, lambda i, attn, h: attn.prefill(h, self.cos, self.sin, None if caches is None else caches[i]),
-                         last_only, last_index)
+
+        def attend(i, attn, h):
+            cache = None if caches is None else caches[i]
+            # start passed only when non-zero: a mixer wrapped by another module keeps the 4-argument call
+            return attn.prefill(h, self.cos, self.sin, cache, start=start) if start else \
+                attn.prefill(h, self.cos, self.sin, cache)
+        return self._run(x, attend, last_only, last_index)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:

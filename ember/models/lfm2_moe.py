@@ -61,13 +61,16 @@ class ShortConv(nn.Module):
     def cache_spec(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype):
         return (((max_batch_size, self.channels, self.kernel_size - 1), dtype),)
 
-    def prefill(self, h: torch.Tensor, cos, sin, cache: tuple[torch.Tensor] | None = None) -> torch.Tensor:
-        """h [B, T, H] at positions 0..T-1 -> [B, T, H]; leaves the last K-1 conv inputs in the cache."""
+    def prefill(self, h: torch.Tensor, cos, sin, cache: tuple[torch.Tensor] | None = None,
+                start: int = 0) -> torch.Tensor:
+        """h [B, T, H] at positions start..start+T-1 -> [B, T, H]; leaves the last K-1 conv inputs in the
+        cache (``start`` > 0: a later chunk, continuing from the inputs the cache holds)."""
         b, c, x = self.in_proj(h).chunk(3, dim=-1)                          # each [B, T, H]
         state = None
         if cache is not None:
             state = cache[0][: h.shape[0]]
-            state.zero_()  # a fresh sequence: the conv sees zeros before position 0
+            if not start:
+                state.zero_()  # a fresh sequence: the conv sees zeros before position 0
         y = ember.ops.causal_conv1d(x.transpose(1, 2), self.conv_weight, self.conv_bias, conv_state=state,
                                     gate_in=b.transpose(1, 2), gate_out=c.transpose(1, 2), channels_last=True)
         return self.out_proj(y.transpose(1, 2))

@@ -91,13 +91,16 @@ class GatedDeltaNet(nn.Module):
         o = ember.ops.norm.rmsnorm_gated(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.eps)
         return self.out_proj(o.reshape(B, T, self.hv * self.dv))
 
-    def prefill(self, h: torch.Tensor, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """h [B, T, H] at positions 0..T-1; writes the final conv and recurrent states into the cache."""
+    def prefill(self, h: torch.Tensor, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                start: int = 0) -> torch.Tensor:
+        """h [B, T, H] at positions start..start+T-1; writes the final conv and recurrent states into the
+        cache (``start`` > 0: a later chunk, continuing from the states the cache holds)."""
         if cache is None:
             return self._mix(h, None, None)
         conv_state, state = cache[0][: h.shape[0]], cache[1][: h.shape[0]]
-        conv_state.zero_()  # a fresh sequence: whatever a previous request left is discarded
-        state.zero_()
+        if not start:
+            conv_state.zero_()  # a fresh sequence: whatever a previous request left is discarded
+            state.zero_()
         return self._mix(h, conv_state, state)
 
     def decode(self, h: torch.Tensor, positions, seq_lens, cos, sin, cache) -> torch.Tensor:
@@ -123,9 +126,9 @@ class GatedAttention(nn.Module):
     def cache_spec(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype):
         return _hybrid.kv_cache_spec(max_batch_size, max_seq_len, dtype, self.cfg.num_kv_heads, self.cfg.head_dim)
 
-    def prefill(self, h: torch.Tensor, cos, sin, cache=None) -> torch.Tensor:
+    def prefill(self, h: torch.Tensor, cos, sin, cache=None, start: int = 0) -> torch.Tensor:
         qkv, gate = self.proj(h).split(self.split, dim=-1)
-        return self.o(self.core.prefill(qkv, cos, sin, cache) * torch.sigmoid(gate))
+        return self.o(self.core.prefill(qkv, cos, sin, cache, start) * torch.sigmoid(gate))
 
     def decode(self, h: torch.Tensor, positions, seq_lens, cos, sin, cache) -> torch.Tensor:
         qkv, gate = self.proj(h).split(self.split, dim=-1)

@@ -31,7 +31,6 @@ def test_graph_greedy_tokens_equal_cache_free_forward(ckpt, cuda):
 @pytest.mark.gpu
 def test_graph_decode_equals_eager_decode(ckpt, cuda):
     em = ember.load(ckpt, device=cuda, dtype=torch.bfloat16, max_seq_len=128, max_batch_size=2)
-    em.prefill_bucket = 0  # the same eager prefill for both: this test is about the decode graph
     prompts = torch.randint(0, 512, (2, 17)).tolist()
     prompts[1] = prompts[1][:9]
     em.use_cuda_graph = False
@@ -44,7 +43,6 @@ def test_graph_decode_equals_eager_decode(ckpt, cuda):
 @pytest.mark.gpu
 def test_graph_sampling_equals_eager_sampling(ckpt, cuda):
     em = ember.load(ckpt, device=cuda, dtype=torch.bfloat16, max_seq_len=128, max_batch_size=2)
-    em.prefill_bucket = 0
     prompts = torch.randint(0, 512, (2, 17)).tolist()
     s = ember.SamplingParams(temperature=0.8, top_k=20, seed=7)
     em.use_cuda_graph = False
@@ -72,12 +70,11 @@ def test_bf16_logits_match_transformers(ckpt, cuda):
 @pytest.mark.gpu
 def test_memory_flat_over_10000_decode_steps(ckpt, cuda):
     """No allocation grows per token: the peak over 10,000 graph-replayed steps equals the peak of the
-    warm-up requests (static caches, captured step, host reads through pinned buffers). Two warm-up
-    requests: the second prompt of a length bucket captures its prefill graph, a one-off allocation."""
+    warm-up requests (static caches, captured step, host reads through pinned buffers)."""
     em = ember.load(ckpt, device=cuda, dtype=torch.bfloat16, max_seq_len=10_100)
     em.eos_ids = set()  # decode all 10,000 steps whatever the random model emits
     prompt = torch.randint(0, 512, (16,)).tolist()
-    for _ in range(2):  # captures the decode graph, then the prompt's prefill graph
+    for _ in range(2):  # captures the decode graph
         em.generate(prompt, max_new_tokens=64, stop=[])
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(cuda)
@@ -90,25 +87,23 @@ def test_memory_flat_over_10000_decode_steps(ckpt, cuda):
 
 
 @pytest.mark.gpu
-def test_prefill_graphs_match_eager_prefill(ckpt, cuda):
-    """Padded, captured prefill (per cache row and length bucket) = eager prefill, in fp32."""
+def test_chunked_prefill_matches_whole_prefill(ckpt, cuda):
+    """The scheduler's prefill (eager chunks, the last padded to a fixed length; later chunks attend
+    over the cached prefix) = one whole-prompt eager prefill, logits and cache, in fp32, in any row."""
+    from ember.engine.scheduler import Scheduler
     em = ember.load(ckpt, device=cuda, dtype=torch.float32, max_seq_len=200, max_batch_size=2)
-    em.prefill_bucket = 64
-    # the first prompt of a (row, bucket) runs eagerly, the second captures, the third replays
-    for b, T in [(0, 5), (0, 7), (0, 64), (1, 17), (1, 20), (1, 65), (1, 100), (0, 200), (0, 199)]:
+    sched = Scheduler(em, prefill_chunk=64)
+    for b, T in [(0, 5), (0, 7), (0, 64), (1, 17), (1, 65), (1, 100), (0, 200), (0, 199)]:
         prompt = torch.randint(0, 512, (T,)).tolist()
-        graph_logits = em._prefill_last(b, prompt)
-        k_graph = [layer[0][b, :, :T].clone() for layer in em.caches]
+        chunked = sched.prefill_last(b, prompt)
+        k_chunked = [layer[0][b, :, :T].clone() for layer in em.caches]
         row = [tuple(t[b:b + 1] for t in layer) for layer in em.caches]
-        eager = em.net.prefill(torch.tensor([prompt], device=cuda), row, last_only=True)
-        torch.testing.assert_close(graph_logits, eager, rtol=1e-4, atol=1e-4)
-        for kg, layer in zip(k_graph, em.caches):
-            torch.testing.assert_close(kg, layer[0][b, :, :T], rtol=1e-4, atol=1e-4)
-    assert set(em._prefill_graphs) == {(0, 64), (1, 64), (1, 128), (0, 200)}
-    assert em._prefill_seen == {(0, 64), (1, 64), (1, 128), (0, 200)}
-    st = em.stats
+        whole = em.net.prefill(torch.tensor([prompt], device=cuda), row, last_only=True)
+        torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+        for kc, layer in zip(k_chunked, em.caches):
+            torch.testing.assert_close(kc, layer[0][b, :, :T], rtol=1e-4, atol=1e-4)
     out = em.generate([prompt[:30], prompt[:3]], max_new_tokens=4)
-    assert [len(o) for o in out] == [4, 4] and em.stats is not st and em.stats.warmup_s >= 0
+    assert [len(o) for o in out] == [4, 4] and em.stats.warmup_s >= 0
 
 
 @pytest.mark.gpu
@@ -123,8 +118,7 @@ def test_programmatic_dependent_launch_changes_nothing(ckpt, cuda, monkeypatch, 
     for pdl, graph in (("1", True), ("0", True), ("0", False)):
         monkeypatch.setenv("EMBER_PDL", pdl)
         em = ember.load(ckpt, device=cuda, dtype=dtype, max_seq_len=160, max_batch_size=2)
-        em.prefill_bucket = 0
-        em.use_cuda_graph = graph
+            em.use_cuda_graph = graph
         runs[(pdl, graph)] = em.generate(prompts, max_new_tokens=96)
     assert runs[("1", True)] == runs[("0", True)] == runs[("0", False)]
     assert len(runs[("1", True)][0]) == 96

@@ -1,4 +1,4 @@
-"""``ember <verb>``: doctor, bench, and the verbs feature modules contribute (generate, chat, quantize).
+"""``ember <verb>``: doctor, bench, and the verbs feature modules contribute (generate, chat, quantize, serve).
 
 A feature verb lives in its own module defining ``HELP`` (optionally ``DESCRIPTION`` for its
 ``--help``), ``add_arguments(parser)`` and ``run(args) -> int``; such modules keep heavy imports
@@ -21,6 +21,7 @@ VERB_MODULES = {
     "chat": "ember.engine.chat_cli",
     "quantize": "ember.quantize_cli",
     "tune": "ember.tuning.cli",
+    "serve": "ember.serve.cli",
 }
 
 

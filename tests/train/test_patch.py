@@ -68,7 +68,20 @@ def test_loss_and_every_gradient_match_stock(kind):
     stock = build(kind)
     patched = ember.train.patch(copy.deepcopy(stock))
     ids, labels = batch(stock.config.vocab_size)
-    assert_same_training_signal(stock, patched, ids, labels)
+    if kind != "qwen3_5_moe":
+        assert_same_training_signal(stock, patched, ids, labels)
+        return
+    # Qwen3.5's gated DeltaNet (transformers' chunked torch path) makes some gradients (A_log, dt_bias)
+    # sensitive at 1e-5 to fp32 rounding: stock fp32 itself is 1.4e-5 from float64 there. So both are
+    # measured against stock in float64: patched's worst parameter within 2x stock fp32's worst.
+    oracle = copy.deepcopy(stock).double()
+    oracle.config._experts_implementation = "eager"  # grouped_mm has no float64
+    _, g64 = loss_and_grads(oracle, ids, labels)
+    _, g0 = loss_and_grads(stock, ids, labels)
+    _, g1 = loss_and_grads(patched, ids, labels)
+    stock_err = max(rel(g0[n], g64[n]) for n in g64)
+    worst = max(g64, key=lambda n: rel(g1[n], g64[n]))
+    assert rel(g1[worst], g64[worst]) <= 2 * stock_err, (worst, rel(g1[worst], g64[worst]), stock_err)
 
 
 @needs_lce

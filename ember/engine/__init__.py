@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import operator
 import os
@@ -152,16 +151,16 @@ class Model:
         self._top_k = torch.zeros(B, dtype=torch.int64, device=dev)
         self._top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self._min_p = torch.zeros(B, dtype=torch.float32, device=dev)
+        # Per row, the sampler's seed for the row's next draw: the request's seed, advanced by
+        # SEED_STEP after every draw; the batch's one counter (offset) is zeroed before each draw, so
+        # (row seed, 0) is a row's whole key and its tokens do not depend on its slot or batch.
         self._seed = torch.zeros(B, dtype=torch.int64, device=dev)
-        # per row: tokens its request has sampled so far, the sampler's counter (one draw per call)
-        self._offset = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._per_row_offsets = _sample_takes_row_offsets()
+        self._offset = torch.zeros(1, dtype=torch.int64, device=dev)
         self._one_row = {"temperature": torch.zeros(1, dtype=torch.float32, device=dev),
                          "top_k": torch.zeros(1, dtype=torch.int64, device=dev),
                          "top_p": torch.ones(1, dtype=torch.float32, device=dev),
                          "min_p": torch.zeros(1, dtype=torch.float32, device=dev),
-                         "seed": torch.zeros(1, dtype=torch.int64, device=dev),
-                         "offset": torch.zeros(1, dtype=torch.int64, device=dev)}  # see _first_token
+                         "seed": torch.zeros(1, dtype=torch.int64, device=dev)}  # see _first_token
         k = min(TOP_LOGPROBS, net.vocab_size)
         self._lp = torch.zeros(B, dtype=torch.float32, device=dev)                  # chosen token's logprob
         self._top_lp = torch.zeros(B, k, dtype=torch.float32, device=dev)           # top-k logprobs
@@ -225,11 +224,12 @@ class Model:
         if self._greedy:
             # All rows greedy: argmax, no filtering or random numbers (cheaper than sample at T=0).
             return self._argmax(logits)
-        # with per-row counters, row r draws from (seed[r], offset[r]) whatever the batch or slot
-        offset = self._offset[:B] if self._per_row_offsets else self._offset[:1]
-        return ember.ops.sample(logits, temperature=self._temperature[:B], top_k=self._top_k[:B],
-                                top_p=self._top_p[:B], min_p=self._min_p[:B], seed=self._seed[:B],
-                                offset=offset, check=False)  # SamplingParams validated the values
+        self._offset.zero_()
+        tok = ember.ops.sample(logits, temperature=self._temperature[:B], top_k=self._top_k[:B],
+                               top_p=self._top_p[:B], min_p=self._min_p[:B], seed=self._seed[:B],
+                               offset=self._offset, check=False)  # SamplingParams validated the values
+        self._seed[:B].add_(SEED_STEP)
+        return tok
 
     def _write_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: slice) -> None:
         """log_softmax of the raw logits (before temperature and filters) at the chosen tokens and its top-k."""
@@ -266,7 +266,7 @@ class Model:
         The warm-up steps advance the state and write cache entries at the rows' current positions;
         the state is restored afterwards and those entries are rewritten before anything reads them.
         """
-        live = [self._tokens, self._positions, self._seq_lens, self._offset, *self._recurrent_state]
+        live = [self._tokens, self._positions, self._seq_lens, self._seed, self._offset, *self._recurrent_state]
         saved = [t.clone() for t in live]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -319,18 +319,17 @@ class Model:
         return self.net.prefill(x, row_caches, last_index=last, start=start)
 
     def _set_row_sampling(self, row: int, s: SamplingParams, seed: int) -> None:
-        """The row's sampling parameters and seed, its sampler counter at 0 (device fills, no host sync)."""
+        """The row's sampling parameters (device fills, no host sync; the seed is set at its first draw)."""
         self._temperature[row] = float(s.temperature)
         self._top_k[row] = int(s.top_k)
         self._top_p[row] = float(s.top_p)
         self._min_p[row] = float(s.min_p)
-        self._seed[row] = seed
-        self._offset[row] = 0
 
     def _first_token(self, row: int, logits: torch.Tensor, sampling: SamplingParams, seed: int,
                      logprobs: bool) -> torch.Tensor:
-        """The first new token [1] from the prefill's logits [1, V], drawn from (seed, counter 0) as
-        the decode step then draws row ``row``'s later tokens; logprobs into the row's buffers.
+        """The first new token [1] from the prefill's logits [1, V], drawn from (seed, 0) as the decode
+        step then draws row ``row``'s later tokens (from seed + k * SEED_STEP); logprobs into the row's
+        buffers.
 
         The sampler reads one-element buffers of its own rather than views at ``row``: a view's
         address changes Triton's alignment key, and a row other than 0 would compile a new variant."""
@@ -343,9 +342,11 @@ class Model:
             one["top_p"].fill_(float(sampling.top_p))
             one["min_p"].fill_(float(sampling.min_p))
             one["seed"].fill_(seed)
-            one["offset"].zero_()
-            tok = ember.ops.sample(logits, **one, check=False)
-            self._offset[row:row + 1].copy_(one["offset"])  # the counter after this draw
+            self._offset.zero_()
+            tok = ember.ops.sample(logits, **one, offset=self._offset, check=False)
+        # the key of the row's second draw, set now: the steps that ran over the row while it
+        # prefilled advanced its seed too
+        self._seed[row] = _wrap64(seed + SEED_STEP)
         if logprobs:
             self._write_logprobs(logits, tok, slice(row, row + 1))
         return tok
@@ -585,15 +586,10 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-@functools.cache
-def _sample_takes_row_offsets() -> bool:
-    """Whether ``ember.ops.sample`` takes one counter per row (seed and offset of ``batch`` elements:
-    row r then draws from (seed[r], offset[r]) alone); older samplers take one shared counter.
-    (Asked once of the sampling module itself: a probe, not a draw anyone should see.)"""
-    from ember.ops import sampling
-    try:
-        sampling.sample(torch.zeros(2, 4), temperature=1.0, seed=torch.zeros(2, dtype=torch.int64),
-                        offset=torch.zeros(2, dtype=torch.int64))
-        return True
-    except (ValueError, TypeError):
-        return False
+# Odd, so that seed + k * SEED_STEP (mod 2^64) runs through 2^64 distinct keys before repeating.
+SEED_STEP = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _wrap64(x: int) -> int:
+    """x as a two's-complement int64 (the wrap-around the device's int64 add does)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)

@@ -476,7 +476,13 @@ class Scheduler:
                     if self._stopping:
                         self._thread = None
                         return
-                self._iterate()
+                try:
+                    self._iterate()
+                except Exception as e:  # a bug in the loop itself: end every request, keep serving
+                    with self._lock:
+                        jobs = [j for j in self._rows if j is not None]
+                    self._records.clear()
+                    self._fail(jobs, e)
 
     def _has_work(self) -> bool:  # with the lock held
         return bool(self._queue or self._tasks or self._records or any(j is not None for j in self._rows))

@@ -118,7 +118,7 @@ def test_programmatic_dependent_launch_changes_nothing(ckpt, cuda, monkeypatch, 
     for pdl, graph in (("1", True), ("0", True), ("0", False)):
         monkeypatch.setenv("EMBER_PDL", pdl)
         em = ember.load(ckpt, device=cuda, dtype=dtype, max_seq_len=160, max_batch_size=2)
-            em.use_cuda_graph = graph
+        em.use_cuda_graph = graph
         runs[(pdl, graph)] = em.generate(prompts, max_new_tokens=96)
     assert runs[("1", True)] == runs[("0", True)] == runs[("0", False)]
     assert len(runs[("1", True)][0]) == 96

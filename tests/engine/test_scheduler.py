@@ -10,11 +10,21 @@ import pytest
 import torch
 
 import ember
-import ember.engine as engine
 from ember.engine.scheduler import Event, QueueFull, Request, Scheduler, chunk_plan
 from tests.models import tiny
 
 GREEDY = ember.SamplingParams(temperature=0.0)
+
+
+def _row_seed_is_its_whole_key() -> bool:
+    """Whether ember.ops.sample keys a row by its own seed alone (row index not mixed in), which
+    slot-independent seeded requests need."""
+    from ember.ops import sampling
+    logits = torch.zeros(2, 1000)
+    return all(len(set(sampling.sample(logits, seed=torch.tensor([t, t]), offset=0).tolist())) == 1 for t in range(3))
+
+
+ROW_SEEDS = _row_seed_is_its_whole_key()
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +76,19 @@ def test_single_request_equals_transformers_greedy(moe_path, model):
     assert h.prompt_tokens == 11 and h.completion_tokens == 12 and h.ttft_s > 0
 
 
+@pytest.fixture(scope="module")
+def lfm2_path(tmp_path_factory):
+    from tests.models.test_lfm2_moe import build_hf, lfm2_config
+    path = tmp_path_factory.mktemp("sched_lfm2")
+    build_hf(lfm2_config()).save_pretrained(path)
+    return path
+
+
 def _join_mid_decode(model, sampling):
     """A long request decodes in slot 0; three more (one longer than the chunk) join after its third
     token; after they end, a fifth reuses a freed slot while others still run. Each gets its solo tokens."""
     sched = Scheduler(model, prefill_chunk=4)
-    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (5, 9, 3, 14, 6)]
+    prompts = [torch.randint(0, model.net.vocab_size, (n,)).tolist() for n in (5, 9, 3, 14, 6)]
     lens = [20, 8, 12, 6, 10]
     solo = [run(sched, p, n, sampling)[0].tokens for p, n in zip(prompts, lens)]
     first = sched.submit(Request(prompts[0], lens[0], sampling))
@@ -93,8 +111,28 @@ def test_requests_joining_mid_decode_get_their_solo_tokens_greedy(model):
     _join_mid_decode(model, GREEDY)
 
 
-@pytest.mark.xfail(not engine._sample_takes_row_offsets(), strict=False,
-                   reason="needs ember.ops.sample with per-row seed and offset counters (row index not mixed in)")
+def test_hybrid_chunked_prefill_between_decode_steps_keeps_its_state(lfm2_path):
+    """LFM2's conv state: decode steps that run over a row still prefilling in chunks (a free slot
+    below a decoding one) must not disturb the state its next chunk continues from: the logprobs
+    (sensitive to it, unlike the tiny model's tokens) equal the solo run's."""
+    m = ember.load(lfm2_path, device="cpu", dtype=torch.float32, max_seq_len=64, max_batch_size=2)
+    sched = Scheduler(m, prefill_chunk=4)
+    prompt = torch.randint(0, m.net.vocab_size, (15,)).tolist()
+    solo = [e.logprob for e in run(sched, prompt, 6, logprobs=0)[1]]
+    a, b = sched.submit(Request([1, 2, 3], 40, GREEDY)), sched.submit(Request([4, 5], 40, GREEDY))
+    next(iter(a)), next(iter(b))
+    a.cancel()
+    a.wait()
+    steps = sched.metrics()["decode_steps"]
+    h, events = run(sched, prompt, 6, logprobs=0)  # into row 0, while row 1 decodes
+    assert sched.metrics()["decode_steps"] - steps >= 5  # steps ran between its 5 chunks
+    assert [e.logprob for e in events] == pytest.approx(solo, abs=1e-5)
+    b.cancel()
+    assert wait_free(sched)["slots_in_use"] == 0
+
+
+@pytest.mark.xfail(not ROW_SEEDS, strict=False,
+                   reason="needs ember.ops.sample to key a row by its own seed alone (row index not mixed in)")
 def test_requests_joining_mid_decode_get_their_solo_tokens_seeded(model):
     _join_mid_decode(model, ember.SamplingParams(temperature=0.9, top_k=30, seed=1234))
 
@@ -146,13 +184,10 @@ def test_stop_strings_need_a_tokenizer(model):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "lfm2_moe"])
-def test_chunked_prefill_equals_whole_prompt(family, moe_path, tmp_path):
-    if family == "lfm2_moe":  # conv state carried across chunks, no padding
-        from tests.models.test_lfm2_moe import build_hf, lfm2_config
-        build_hf(lfm2_config()).save_pretrained(tmp_path)
-        path = tmp_path
-    else:  # the last chunk padded; later chunks attend over the cached prefix
-        path = moe_path
+def test_chunked_prefill_equals_whole_prompt(family, moe_path, lfm2_path):
+    # lfm2_moe: conv state carried across chunks, no padding; qwen3_moe: the last chunk padded, later
+    # chunks attend over the cached prefix
+    path = lfm2_path if family == "lfm2_moe" else moe_path
     m = ember.load(path, device="cpu", max_seq_len=64, max_batch_size=2)
     prompt = torch.randint(1, 90, (23,)).tolist()
     whole = Scheduler(m, prefill_chunk=64)
@@ -292,4 +327,5 @@ def test_gpu_warmup_leaves_nothing_to_capture_or_compile(moe_path, cuda):
         knobs.runtime.jit_post_compile_hook = old_hook
     assert captures == [] and len(m._graphs) == graphs
     assert compiles == [], compiles[:5]
-    assert hs[0].tokens == solo or not m._per_row_offsets
+    assert hs[0].tokens == solo or not ROW_SEEDS
+    assert hs[2].tokens == run(sched, list(range(5)), 9)[0].tokens

@@ -26,7 +26,6 @@ import dataclasses
 import math
 import operator
 import os
-import random
 import threading
 import time
 import warnings
@@ -515,12 +514,14 @@ class Model:
         for h in handles:
             if h.finish_reason == "error":
                 raise h.exception or RuntimeError(h.error)
+        # prefill: until the last row's first token; decode: the longest row's first to last token
+        # (rows join one prefill chunk apart, so the batch's span would overstate the per-row time)
         first = max(h.first_token_time for h in handles)
-        last = max(h.last_token_time for h in handles)
+        span = max(h.last_token_time - h.first_token_time for h in handles)
         warm = self.capture_s - capture0
         self.stats = Stats(prompt_tokens=sum(len(p) for p in ids), prefill_s=first - t0,
                            new_tokens=max(h.sampled_tokens for h in handles),
-                           decode_s=max(last - first - warm, 0.0), warmup_s=warm)
+                           decode_s=max(span - warm, 0.0), warmup_s=warm)
         if past is not None and self.stats.new_tokens >= past:
             self._warn_past_positions(max(len(p) for p in ids), self.max_position_embeddings)
         if not is_text:

@@ -88,10 +88,11 @@ def test_sampling_flags_reach_the_sampler(ckpt, capsys, monkeypatch):
                  "--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05", "--seed", "1234",
                  "--device", "cpu", "--quiet"]) == 0
     assert seen, "the sampler never ran"
-    for call in seen:
+    from ember.engine import SEED_STEP, _wrap64
+    for k, call in enumerate(seen):
         assert call["temperature"] == [pytest.approx(0.8)] and call["top_k"] == [5]
         assert call["top_p"] == [pytest.approx(0.9)] and call["min_p"] == [pytest.approx(0.05)]
-        assert call["seed"] == [1234]
+        assert call["seed"] == [_wrap64(1234 + k * SEED_STEP)]  # the request's seed, one step per draw
     # top_k 1 keeps only the most likely token: at any temperature, the greedy continuation
     capsys.readouterr()
     args = ["generate", "--model", str(path), "--prompt", "the dog ran under", "--max-new-tokens", "8",

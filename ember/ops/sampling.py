@@ -136,7 +136,10 @@ def _validate_seed(seed, offset, device):
             if v.device != device:
                 raise ValueError(f"{name}: expected device {device} (the device of logits), got {v.device}")
             if name == "offset" and v.numel() != 1:
-                raise ValueError(f"offset: expected a one-element tensor, got shape {tuple(v.shape)}")
+                raise ValueError(f"offset: expected a one-element tensor (one counter for the batch), got shape "
+                                 f"{tuple(v.shape)}; for a stream per row, pass per-row seeds that change every "
+                                 "step (e.g. request seed + position * an odd constant): a per-row seed is its "
+                                 "row's whole key")
         elif isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name}: expected an int or an int64 tensor, got {type(v).__name__}")
     if offset is not None and seed is None:
@@ -226,8 +229,8 @@ def sample_reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, see
                      generator=None) -> torch.Tensor:
     """Draw from ``sampling_probs_reference`` with torch.multinomial (int64 [batch] on logits.device).
 
-    With ``seed``, row ``r`` draws from a generator seeded by (seed, offset, r); a tensor ``offset``
-    is advanced by one, as the kernel does.
+    With one ``seed``, row ``r`` draws from a generator seeded by (seed, offset, r); with a per-row
+    seed tensor, by (seed[r], offset) alone; a tensor ``offset`` is advanced by one, as the kernel does.
     """
     B = logits.shape[0]
     probs = sampling_probs_reference(logits, temperature, top_k, top_p, min_p)
@@ -237,8 +240,9 @@ def sample_reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, see
         seeds = seed.reshape(-1).tolist() if isinstance(seed, torch.Tensor) else [seed]
         off = int(offset.reshape(-1)[0]) if isinstance(offset, torch.Tensor) else int(offset or 0)
         out = torch.empty(B, dtype=torch.int64)
-        for r in range(B):
-            g = torch.Generator().manual_seed(_mixed_seed(int(seeds[r if len(seeds) > 1 else 0]), off, r))
+        for r in range(B):  # a per-row seed keys its row alone (as in the kernel): the index is not mixed in
+            g = torch.Generator().manual_seed(_mixed_seed(int(seeds[r if len(seeds) > 1 else 0]), off,
+                                                          0 if len(seeds) > 1 else r))
             out[r] = torch.multinomial(probs[r], 1, generator=g)[0]
     if isinstance(offset, torch.Tensor):
         offset.add_(1)
@@ -389,7 +393,9 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     ``temperature=0`` is greedy. Randomness: ``seed`` (int, or int64 tensor of 1 or ``batch``
     elements) with ``offset`` (int, or one-element int64 tensor that each call advances by one, so
     a captured CUDA graph draws fresh numbers on every replay); without ``seed``, a seed is drawn
-    from ``generator`` (or torch's default) on the device.
+    from ``generator`` (or torch's default) on the device. One seed for the batch is mixed with the
+    row index (rows draw apart); a per-row seed keys its row alone, so a row's draw does not depend
+    on where it sits in the batch (the engine's per-request seeds rely on this).
 
     ``check=True`` validates values that need a device sync (NaN / +inf logits, all -inf rows,
     per-row parameter ranges); it is skipped automatically during CUDA-graph capture and under

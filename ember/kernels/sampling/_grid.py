@@ -93,10 +93,11 @@ def _normalised(z, M, Z, LOG: tl.constexpr):
 
 
 @triton.jit
-def _race_key(z, idx, seed, row, off):
-    """z + Gumbel noise from Philox(seed; token, row, offset lo, offset hi)."""
+def _race_key(z, idx, seed, off):
+    """z + Gumbel noise from Philox(seed; token, 0, offset lo, offset hi); ``seed`` is the row's key
+    (``_row_sampling_params`` mixes the row index into a batch-wide seed)."""
     c0 = idx.to(tl.uint32)
-    c1 = tl.zeros_like(c0) + row.to(tl.uint32)
+    c1 = tl.zeros_like(c0)
     c2 = tl.zeros_like(c0) + (off & 0xFFFFFFFF).to(tl.uint32)
     c3 = tl.zeros_like(c0) + ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
     r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)

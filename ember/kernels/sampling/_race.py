@@ -72,7 +72,7 @@ def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, o
         cols = start + tl.arange(0, BLOCK)
         z = tl.load(base + cols, mask=cols < V, other=-float("inf")).to(tl.float32) / t
         keep = (_ordered_key(z).to(tl.int64) >= tp) & (tl.exp(z - M) >= minp) & (z > -float("inf"))
-        key = tl.where(keep, _race_key(z, cols, seed, row, off), -float("inf"))
+        key = tl.where(keep, _race_key(z, cols, seed, off), -float("inf"))
         better = key > best_key
         best_key = tl.where(better, key, best_key)
         best_idx = tl.where(better, cols, best_idx)
@@ -84,17 +84,19 @@ def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, o
 def _row_sampling_params(t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar, seed_ptr, seed_scalar,
                          row, V, T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                          MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr):
-    """(temperature, top_k (0 when >= V), top_p, min_p, seed) of ``row``."""
+    """(temperature, top_k (0 when >= V), top_p, min_p, Philox key) of ``row``."""
     t = _row_param(t_ptr, t_scalar, row, tl.float32, T_PER_ROW)
     k = _row_param(k_ptr, k_scalar, row, tl.int32, K_PER_ROW)
     p = _row_param(p_ptr, p_scalar, row, tl.float32, P_PER_ROW)
     minp = _row_param(mp_ptr, mp_scalar, row, tl.float32, MP_PER_ROW)
-    if SEED_MODE == 0:
-        seed = tl.cast(seed_scalar, tl.int64)
-    elif SEED_MODE == 1:
-        seed = tl.load(seed_ptr).to(tl.int64)
-    else:
+    if SEED_MODE == 2:  # a per-row seed is the row's whole key: its draws do not depend on its index
         seed = tl.load(seed_ptr + row).to(tl.int64)
+    else:  # one seed for the batch: mixed with the row index so that rows draw apart
+        if SEED_MODE == 0:
+            seed = tl.cast(seed_scalar, tl.int64)
+        else:
+            seed = tl.load(seed_ptr).to(tl.int64)
+        seed = seed + tl.cast(row, tl.int64) * 0x632BE59BD9B4E019
     return t, tl.where(k >= V, 0, k), p, minp, seed
 
 
@@ -102,7 +104,7 @@ def _row_sampling_params(t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_p
 def _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK: tl.constexpr):
     """Min-p (or no) filter: this chunk's packed best race key (``_pack``)."""
     keep = inb & (tl.exp(z - M) >= minp) & (z > -float("inf"))
-    key = tl.where(keep, _race_key(z, cols, seed, row, off), -float("inf"))
+    key = tl.where(keep, _race_key(z, cols, seed, off), -float("inf"))
     j = tl.argmax(key, axis=0)
     return _pack(tl.max(key, axis=0), c * CHUNK + j)
 
@@ -175,7 +177,7 @@ def _race_values(cz, ci, row, k, p, minp, M, Z, mass_above, seed, off, BLOCK: tl
     i = tl.arange(0, BLOCK)
     tau, cand_mass = _thresholds_sorted(cz, k, p, M, Z, mass_above, BLOCK)
     keep = (cz >= tau) & (tl.exp(cz - M) >= minp) & (cz > -float("inf"))
-    key = tl.where(keep, _race_key(cz, ci, seed, row, off), -float("inf"))
+    key = tl.where(keep, _race_key(cz, ci, seed, off), -float("inf"))
     if PACKED_MAX:
         won = tl.max(tl.where(keep, _pack(key, ci), INT64_MIN), axis=0)
     else:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import ember
+
 
 def _int(v) -> int:
     return int(v[0]) if isinstance(v, (tuple, list)) else int(v)
@@ -89,17 +91,17 @@ class ConvT:
 
 class Snake:
     """x + 1 / (beta + 1e-9) * sin(alpha * x)^2 with the module's alpha and beta (DAC: beta = alpha;
-    Oobleck: exp of both when logscale), evaluated in the module's op order, so bit for bit its values."""
+    Oobleck: exp of both when logscale) through ``ember.ops.snake``: one launch, float32 math rounded
+    once, where the module's five bf16 ops cost 5x the memory traffic (H200, DAC 44 kHz 600 s bf16:
+    the stock snakes took ~0.3 of the decode's 1.22 s)."""
 
     def __init__(self, m):
         with torch.no_grad():
+            log = hasattr(m, "beta") and getattr(m, "logscale", False)
+            self.alpha = (torch.exp(m.alpha) if log else m.alpha.detach()).reshape(-1)
+            self.beta = None
             if hasattr(m, "beta"):
-                log = getattr(m, "logscale", False)
-                self.alpha = torch.exp(m.alpha) if log else m.alpha.detach()
-                beta = torch.exp(m.beta) if log else m.beta.detach()
-            else:
-                self.alpha, beta = m.alpha.detach(), m.alpha.detach()
-            self.inv = (beta + 1e-9).reciprocal()
+                self.beta = (torch.exp(m.beta) if log else m.beta.detach()).reshape(-1)
         self.scale, self.channels = 1, m.alpha.shape[1]
 
     def length(self, n: int) -> int:
@@ -109,9 +111,7 @@ class Snake:
         return c, e
 
     def run(self, x: torch.Tensor, a: int, b: int, n: int):
-        t = x * self.alpha
-        t.sin_().pow_(2).mul_(self.inv)
-        return t.add_(x), a, b  # in place on the temporary: same values, one buffer
+        return ember.ops.snake(x, self.alpha, beta=self.beta), a, b
 
 
 class Tanh:

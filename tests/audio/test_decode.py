@@ -103,14 +103,20 @@ def test_oobleck_stereo_chunked_matches_untiled_fp32(chunk):
     assert snr(out, ref) >= 70
 
 
-def test_bf16_matches_untiled():
-    m = tiny_dac((5, 2), torch.bfloat16)
-    z = torch.randn(1, 8, 30, dtype=torch.bfloat16)
-    out = ember.audio.decode(m, z, chunk=6, progress=False)
-    assert out.dtype == torch.bfloat16 and snr(out, dac_ref(m, z)) >= 45
-    vae = tiny_oobleck(torch.bfloat16)
-    z = torch.randn(2, 6, 30, dtype=torch.bfloat16)
-    assert snr(ember.audio.decode(vae, z, chunk=6, progress=False), oobleck_ref(vae, z)) >= 45
+def test_bf16_as_accurate_as_untiled():
+    """bf16: ember's decode is at least as close to the fp32 decode as the module's own bf16 decode.
+    (Against the module's bf16 output itself it sits ~42 dB away on this tiny DAC: its snake rounds
+    each of five ops to bf16, ember's rounds once, so the two bf16 results differ by more than either
+    differs from fp32.)"""
+    for model, z in ((tiny_dac((5, 2), torch.bfloat16), torch.randn(1, 8, 30)),
+                     (tiny_oobleck(torch.bfloat16), torch.randn(2, 6, 30))):
+        ref = dac_ref if type(model).__name__ == "DacModel" else oobleck_ref
+        z16 = z.to(torch.bfloat16)
+        out = ember.audio.decode(model, z16, chunk=6, progress=False)
+        stock = ref(model, z16)
+        truth = ref(model.float(), z16.float())
+        assert out.dtype == torch.bfloat16 and out.shape == stock.shape
+        assert snr(out, truth) >= snr(stock, truth) and snr(out, truth) >= 40, (snr(out, truth), snr(stock, truth))
 
 
 @pytest.mark.parametrize("n_codebooks", [3, 2])
@@ -238,7 +244,12 @@ def test_bench_quick_runs_on_cpu():
     decodes = {"dac_44khz_decode_600s_bf16", "dac_44khz_decode_600s_fp32", "oobleck_decode_stereo_600s_bf16"}
     assert decodes | {"snake_bf16_2x16x256", "whisper_log_mel_60s_128mel"} <= set(rows)
     for name in decodes:
-        assert rows[name].ember > 0 and rows[name].baseline > 0 and rows[name].extra["snr_vs_baseline_db"] >= 45
+        r = rows[name]
+        assert r.ember > 0 and r.baseline > 0
+        if name.endswith("fp32"):  # on the CPU the baseline is the fp32 decode itself
+            assert r.extra["snr_vs_fp32_db"] >= 70
+        else:
+            assert r.extra["snr_vs_fp32_db"] >= r.extra["baseline_snr_vs_fp32_db"]
     for name in ("snake_bf16_2x16x256", "whisper_log_mel_60s_128mel"):  # timed against their baselines
         assert rows[name].ember > 0 and rows[name].baseline > 0
 
@@ -274,7 +285,14 @@ def test_gpu_oobleck_full_size(cuda, monkeypatch, dtype, floor):
     z = torch.randn(1, 64, 700, device=cuda, dtype=dtype)  # ~33 s of stereo at 44.1 kHz
     ref = oobleck_ref(vae, z)
     out = ember.audio.decode(vae, z, chunk=128, progress=False)
-    assert out.shape == ref.shape and snr(out, ref) >= floor
+    assert out.shape == ref.shape
+    if dtype == torch.float32:
+        assert snr(out, ref) >= floor
+        return
+    # bf16 at full size: both decodes round independently (measured 44.1 dB apart at 600 s), so
+    # ember's is held to the fp32 decode: at least as close to it as the module's own bf16 decode
+    truth = oobleck_ref(vae.float(), z.float())
+    assert snr(out, truth) >= snr(ref, truth), (snr(out, truth), snr(ref, truth), snr(out, ref))
 
 
 @pytest.mark.gpu

@@ -317,6 +317,20 @@ def test_gpu_kernel_matches_reference(cuda, dtype, B, C, T, kind, beta, logscale
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_half_precision_large_arguments(cuda, dtype):
+    """Tiles whose alpha * x passes 16384 take libdevice's sinf instead of the reduced approximate one;
+    tiles below it, the approximation: both as close to float64 as one rounding allows."""
+    C, T = 8, 4096
+    a = torch.linspace(0.5, 2.0, C, device=cuda)
+    x = torch.randn(1, C, T, device=cuda) * 3
+    x[..., :2048] *= 3000  # the first tiles hold arguments up to ~5e4 (fp16: inf-free, below 65504)
+    x = x.to(dtype)
+    out = ember.ops.snake(x, a)
+    assert_close(out, float64_snake(x, a), dtype)
+
+
+@pytest.mark.gpu
 def test_gpu_compile_and_cuda_graph(cuda):
     a, b = torch.rand(1, 256, 1, device=cuda) - 0.5, torch.rand(1, 256, 1, device=cuda) - 0.5
     x = torch.randn(2, 256, 3000, device=cuda, dtype=torch.bfloat16)

@@ -270,9 +270,15 @@ def test_gpu_dac_full_size(cuda, monkeypatch, name, dtype, floor):
         m = _randomise_snakes(DacModel(DacConfig(**DAC_GPU[name])).eval()).to(dtype)
     codes = torch.randint(0, 1024, (1, m.config.n_codebooks, 1200), device=cuda)  # ~14 s at 44.1 kHz
     ref = dac_ref(m, codes=codes)
-    for chunk in (None, 256):
-        out = ember.audio.decode(m, codes, chunk=chunk, progress=False)
-        assert out.shape == ref.shape and snr(out, ref) >= floor
+    outs = [ember.audio.decode(m, codes, chunk=chunk, progress=False) for chunk in (None, 256)]
+    assert all(out.shape == ref.shape for out in outs)
+    if dtype == torch.float32:
+        assert all(snr(out, ref) >= floor for out in outs)
+        return
+    # bf16: as close to the fp32 decode as the module's own bf16 decode (see the Oobleck test below)
+    truth = dac_ref(m.float(), codes=codes)
+    for out in outs:
+        assert snr(out, truth) >= snr(ref, truth), (snr(out, truth), snr(ref, truth), snr(out, ref))
 
 
 @pytest.mark.gpu

@@ -26,6 +26,7 @@ _LAZY = {
     "vae": ("ember.vae", None),
     "audio": ("ember.audio", None),
     "train": ("ember.train", None),
+    "serve": ("ember.serve", None),
 }
 __all__ = ["ops", "doctor", "__version__", *_LAZY]
 

@@ -79,6 +79,24 @@ def _sample_rows(ctx, data, seed, offset) -> list[Row]:
     return rows
 
 
+def _engine_rows(ctx, data) -> list[Row]:
+    """The draw the decode graph runs (``engine.sample_step``: per-row tensors, per-row seeds advanced
+    after the draw) at one row, against the scalar call the rows above time."""
+    from ember.engine import sample_step
+    dev, rows = ctx.device, []
+    for name, k, p, target in (("sample_engine_t0.7_k50_p0.9", 50, 0.9, 6.6), ("sample_engine_t0.7", 0, 1.0, 4.6)):
+        params = (torch.full((1,), 0.7, device=dev), torch.full((1,), k, dtype=torch.int64, device=dev),
+                  torch.full((1,), p, device=dev), torch.zeros(1, device=dev))
+        seed = torch.tensor([1234], device=dev)
+        e, how = _time(ctx, [lambda x=x: sample_step(x, *params, seed) for x in data])
+        scalar, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, temperature=0.7, top_k=k, top_p=p, seed=seed,
+                                                              check=False) for x in data])
+        V = data[0].shape[1]
+        rows.append(Row(f"{name}_1x{V}", "us", e, scalar, f"ember.ops.sample with Python scalars ({how}-timed)",
+                        target=f"<= {target} us", meets=e <= target if ctx.on_gpu else None))
+    return rows
+
+
 def run(ctx: BenchContext) -> list[Row]:
     V = VOCAB if not ctx.quick else 4096
     big = 256 if not ctx.quick else 8
@@ -117,6 +135,7 @@ def run(ctx: BenchContext) -> list[Row]:
     b, how = _time(ctx, [lambda x=x: torch.multinomial(torch.softmax(x / 0.7, -1), 1) for x in data])
     rows.append(Row(f"sample_t0.7_1x{V}", "us", e, b, f"torch softmax + multinomial ({how}-timed)",
                     target="informational"))
+    rows += _engine_rows(ctx, data)
     del data
 
     ctx.progress("sample 8 rows")

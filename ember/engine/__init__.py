@@ -154,7 +154,6 @@ class Model:
         # SEED_STEP after every draw; the batch's one counter (offset) is zeroed before each draw, so
         # (row seed, 0) is a row's whole key and its tokens do not depend on its slot or batch.
         self._seed = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._offset = torch.zeros(1, dtype=torch.int64, device=dev)
         self._one_row = {"temperature": torch.zeros(1, dtype=torch.float32, device=dev),
                          "top_k": torch.zeros(1, dtype=torch.int64, device=dev),
                          "top_p": torch.ones(1, dtype=torch.float32, device=dev),
@@ -223,12 +222,8 @@ class Model:
         if self._greedy:
             # All rows greedy: argmax, no filtering or random numbers (cheaper than sample at T=0).
             return self._argmax(logits)
-        self._offset.zero_()
-        tok = ember.ops.sample(logits, temperature=self._temperature[:B], top_k=self._top_k[:B],
-                               top_p=self._top_p[:B], min_p=self._min_p[:B], seed=self._seed[:B],
-                               offset=self._offset, check=False)  # SamplingParams validated the values
-        self._seed[:B].add_(SEED_STEP)
-        return tok
+        return sample_step(logits, self._temperature[:B], self._top_k[:B], self._top_p[:B], self._min_p[:B],
+                           self._seed[:B])
 
     def _write_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: slice) -> None:
         """log_softmax of the raw logits (before temperature and filters) at the chosen tokens and its top-k."""
@@ -265,7 +260,7 @@ class Model:
         The warm-up steps advance the state and write cache entries at the rows' current positions;
         the state is restored afterwards and those entries are rewritten before anything reads them.
         """
-        live = [self._tokens, self._positions, self._seq_lens, self._seed, self._offset, *self._recurrent_state]
+        live = [self._tokens, self._positions, self._seq_lens, self._seed, *self._recurrent_state]
         saved = [t.clone() for t in live]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -341,8 +336,7 @@ class Model:
             one["top_p"].fill_(float(sampling.top_p))
             one["min_p"].fill_(float(sampling.min_p))
             one["seed"].fill_(seed)
-            self._offset.zero_()
-            tok = ember.ops.sample(logits, **one, offset=self._offset, check=False)
+            tok = ember.ops.sample(logits, **one, check=False)  # keyed by the seed alone, as sample_step
         # the key of the row's second draw, set now: the steps that ran over the row while it
         # prefilled advanced its seed too
         self._seed[row] = _wrap64(seed + SEED_STEP)
@@ -589,6 +583,23 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 # Odd, so that seed + k * SEED_STEP (mod 2^64) runs through 2^64 distinct keys before repeating.
 SEED_STEP = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def sample_step(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """One engine draw over ``logits [B, V]``: ``ember.ops.sample`` with per-row parameter tensors,
+    each row keyed by its own seed alone (no batch counter), then every seed advanced by SEED_STEP for
+    the row's next draw. The decode graph runs exactly this; ``ember bench sampling`` times it.
+
+    Example:
+        >>> B = 2
+        >>> tok = sample_step(torch.randn(B, 100), torch.full((B,), 0.7), torch.full((B,), 50),
+        ...                   torch.full((B,), 0.9), torch.zeros(B), torch.tensor([1, 2]))
+    """
+    tok = ember.ops.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                           check=False)  # SamplingParams validated the values
+    seed.add_(SEED_STEP)
+    return tok
 
 
 def _wrap64(x: int) -> int:

@@ -31,6 +31,9 @@ FAMILIES = {
     "attention": "ember.ops.attention",
     "linear": "ember.ops.linear",
     "snake": "ember.ops.snake",
+    "cross_entropy": "ember.ops.cross_entropy",
+    "swiglu": "ember.ops.swiglu",
+    "moe_train": "ember.ops.moe_train",
 }
 # Families whose fast path needs more than "a GPU Triton can compile for".
 FP8_TENSOR_CORE_MIN_CC = (8, 9)
@@ -234,8 +237,9 @@ def render(report: dict) -> str:
     if report.get("packages"):
         lines.append("text: " + ", ".join(f"{n} {v or 'MISSING'}" for n, v in report["packages"].items()))
     lines.append("op families:")
+    width = max(map(len, report["families"]), default=0)
     for name, fam in report["families"].items():
-        lines.append(f"  {name:<9} {fam['path']:<11} {fam['why']}")
+        lines.append(f"  {name:<{width}} {fam['path']:<11} {fam['why']}")
     for t in report.get("tuning", []):
         cached = ", ".join(t["cached_families"]) or "none"
         lines.append(f"tuning: {t['gpu']}: mode {t['mode']}, shipped data {t['shipped'] or 'none (generic entries)'}, "

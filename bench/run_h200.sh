@@ -5,6 +5,9 @@
 #   bash bench/run_h200.sh moe_ops moe               # MoE suites (~5 min)
 #   bash bench/run_h200.sh moe_hybrid                # LFM2 / Qwen3.5 (HF baselines are slow)
 #   bash bench/run_h200.sh vae                       # needs the diffusers wheel in .whl/ (README of the device tool)
+#   bash bench/run_h200.sh audio pad                 # audio needs diffusers too (~4 min: the stock 600 s decodes)
+#   bash bench/run_h200.sh train                     # liger-kernel / cut-cross-entropy wheels for the peers
+#   bash bench/run_h200.sh serve                     # fastapi / uvicorn wheels; a full-size model, 32 slots
 #   bash bench/run_h200.sh --list                    # what each word runs, without running it
 # Suites take ember bench flags through BENCH_FLAGS, e.g. BENCH_FLAGS="--hf-compile --variants" for moe.
 #   python bench/step_variants.py $OUT/step_variants.json [--names A,B] [--sizes 400] [--variants F.json]  # decode-step A/B
@@ -27,7 +30,8 @@ python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 python -m ember doctor > "$OUT/doctor.txt"
 for what in "$@"; do
   if [ "$what" = tests ]; then
-    timeout 400 python -m pytest -m gpu -n 14 -q --tb=line -p no:cacheprovider tests/ > "$OUT/gpu_tests.txt" 2>&1
+    # SIGINT, not TERM, at the limit: pytest still prints which tests failed
+    timeout -s INT 400 python -m pytest -m gpu -n 14 -q -rfE --tb=line -p no:cacheprovider tests/ > "$OUT/gpu_tests.txt" 2>&1
     grep -E "^FAILED|passed|failed" "$OUT/gpu_tests.txt" | tail -30
   else
     timeout 560 python -m ember bench "$what" ${BENCH_FLAGS:-} --json "$OUT/$what.json" 2>&1 | tail -25

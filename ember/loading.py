@@ -447,8 +447,10 @@ def load(path, *, device=None, dtype=None, fp8: bool = False, max_seq_len: int =
     cache_bytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
                       for layer in net.cache_specs(max_batch_size, max_seq_len, dtype) for shape, dt in layer)
     _check_memory(device, cache_bytes, "KV cache and recurrent state")
+    # tensor parallel: one seed from rank 0 seeds every rank's seed source (seedless requests agree)
+    seed = None if plan is None else distributed.shared_seed(device)
     return Model(net, cfg, load_tokenizer(path), max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                 eos_ids=_eos_ids(path, cfg), fp8=fp8 or bool(quant), name=name)
+                 eos_ids=_eos_ids(path, cfg), fp8=fp8 or bool(quant), name=name, sampling_seed=seed)
 
 
 def _eos_ids(path: Path, cfg: dict) -> list[int]:

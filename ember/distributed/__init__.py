@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 
 from ember.distributed._group import (DEFAULT_TIMEOUT_S, all_gather_last, all_ranks_or_none, all_reduce,
-                                      device_for, disable_multicast, init, require, world)
+                                      device_for, disable_multicast, init, require, shared_seed, world)
 from ember.distributed.plan import ShardPlan, Slice
 from ember.distributed.source import ShardSource, checkpoint_shapes, random_fetch, take
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ShardPlan", "ShardSource", "Slice", "all_gather_last", "all_ranks_or_none",
            "all_reduce", "builder", "checkpoint_source", "device_for", "disable_multicast", "init", "plan_for",
-           "random_shard", "require", "world"]
+           "random_shard", "require", "shared_seed", "world"]
 
 
 def plan_for(cfg: dict, tensor_parallel: int) -> ShardPlan:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import random
 from collections.abc import Iterator
 
 import torch
@@ -92,6 +93,22 @@ def require(tensor_parallel: int) -> tuple[int, int]:
         raise ValueError(f"tensor_parallel={tensor_parallel}: the process group has {w} rank(s); expected "
                          f"{tensor_parallel} (torchrun --nproc-per-node {tensor_parallel})")
     return dist.get_rank(), w
+
+
+def shared_seed(device: torch.device) -> int:
+    """A random 62-bit int drawn on rank 0 and broadcast to every rank (one tiny collective): what
+    seeds a tensor-parallel Model's seed source, so a request without a seed draws the same seed, and
+    so the same tokens, on every rank. One process: a fresh draw.
+
+    Example:
+        >>> model.seed_source = random.Random(shared_seed(model.device))
+    """
+    value = random.SystemRandom().getrandbits(62)
+    if world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)  # NCCL broadcasts device tensors only
+    dist.broadcast(t, src=0)
+    return int(t.item())
 
 
 def device_for(device: torch.device, rank: int) -> torch.device:

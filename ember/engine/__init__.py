@@ -26,6 +26,7 @@ import dataclasses
 import math
 import operator
 import os
+import random
 import threading
 import time
 import warnings
@@ -122,8 +123,13 @@ class Model:
     """
 
     def __init__(self, net, config: dict, tokenizer, *, max_seq_len: int, max_batch_size: int,
-                 eos_ids: Sequence[int] = (), fp8: bool = False, name: str = "model", prefill_chunk: int = 512):
+                 eos_ids: Sequence[int] = (), fp8: bool = False, name: str = "model", prefill_chunk: int = 512,
+                 sampling_seed: int | None = None):
         self.net, self.config, self.tokenizer = net, config, tokenizer
+        # Where a request without a seed gets one: the process's global ``random`` by default;
+        # its own random.Random(sampling_seed) when given (ember.load passes one value broadcast from
+        # rank 0 under tensor parallel, so every rank draws the same seeds and the same tokens).
+        self.seed_source = random if sampling_seed is None else random.Random(sampling_seed)
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
         self.fp8, self.name = fp8, name
         self.prefill_chunk = prefill_chunk  # the default scheduler's chunk length
@@ -461,18 +467,12 @@ class Model:
 
     def _submit_all(self, ids, sampling, stops, max_new_tokens) -> list:
         from ember.engine.scheduler import Request
-        sched = self.scheduler
-        handles = []
-        try:
-            for p, s, (tok_stop, str_stop) in zip(ids, sampling, stops):
-                handles.append(sched.submit(Request(
-                    prompt=p, max_tokens=max_new_tokens, sampling=s, stop_ids=frozenset(tok_stop),
-                    stop_strings=tuple(str_stop) if self.tokenizer is not None else ())))
-        except BaseException:
-            for h in handles:
-                h.cancel()
-            raise
-        return handles
+        # submitted together (all or none): the loop admits the whole batch in one iteration, so its
+        # steps do not depend on thread timing (tensor-parallel ranks must run the same steps)
+        return self.scheduler.submit_many([Request(
+            prompt=p, max_tokens=max_new_tokens, sampling=s, stop_ids=frozenset(tok_stop),
+            stop_strings=tuple(str_stop) if self.tokenizer is not None else ())
+            for p, s, (tok_stop, str_stop) in zip(ids, sampling, stops)])
 
     def _warn_past_positions(self, longest: int, limit: int) -> None:
         warnings.warn(f"{self.name}: the sequence ({longest} prompt tokens + new ones) now runs past the model's "
@@ -510,8 +510,10 @@ class Model:
                 raise h.exception or RuntimeError(h.error)
         # prefill: until the last row's first token; decode: the longest row's first to last token
         # (rows join one prefill chunk apart, so the batch's span would overstate the per-row time)
-        first = max(h.first_token_time for h in handles)
-        span = max(h.last_token_time - h.first_token_time for h in handles)
+        # (a row whose first draw is a stop id emits no token, so it has no token times)
+        timed = [h for h in handles if h.first_token_time is not None]
+        first = max((h.first_token_time for h in timed), default=time.perf_counter())
+        span = max((h.last_token_time - h.first_token_time for h in timed), default=0.0)
         warm = self.capture_s - capture0
         self.stats = Stats(prompt_tokens=sum(len(p) for p in ids), prefill_s=first - t0,
                            new_tokens=max(h.sampled_tokens for h in handles),

@@ -113,7 +113,34 @@ def load_tokenizer_for(path, what: str):
 def load_model(args, path, max_seq_len: int):
     import ember
     return ember.load(path, device=resolve_device(args.device), dtype=args.dtype, fp8=args.fp8,
-                      max_seq_len=max_seq_len, fp8_lm_head=args.fp8_lm_head)
+                      max_seq_len=max_seq_len, fp8_lm_head=args.fp8_lm_head,
+                      tensor_parallel=getattr(args, "tp", 1))
+
+
+def join_tensor_parallel(tp: int) -> int:
+    """``--tp N``: join torchrun's N processes (``ember.distributed.init()``) and return this rank;
+    0 for ``--tp 1``. A ValueError naming --tp when not under torchrun or its process count is not N.
+
+    Example:
+        $ torchrun --nproc-per-node 2 -m ember generate --tp 2 --model DIR --prompt "Hello"
+    """
+    if tp < 1:
+        raise ValueError(f"--tp: expected an int >= 1, got {tp}")
+    if tp == 1:
+        return 0
+    import torch.distributed as dist
+    import ember.distributed as ed
+    try:
+        ed.init()
+    except ValueError as e:  # torch's env:// rendezvous: RANK / WORLD_SIZE / MASTER_ADDR not set
+        raise ValueError(f"--tp {tp}: needs `torchrun --nproc-per-node {tp}`; no torch.distributed process group "
+                         f"to join here ({e})") from None
+    world = dist.get_world_size()
+    if world != tp:
+        dist.destroy_process_group()
+        raise ValueError(f"--tp {tp}: torchrun started {world} process(es); expected {tp} "
+                         f"(torchrun --nproc-per-node {tp})")
+    return dist.get_rank()
 
 
 def _peak_memory_gb(device) -> float:
@@ -137,6 +164,8 @@ def add_arguments(p) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     add_model_arguments(p, "KV cache length in tokens (default: the prompt's tokens + --max-new-tokens)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel over N GPUs: run under `torchrun --nproc-per-node N` (rank 0 prints)")
     add_sampling_arguments(p)
 
 
@@ -155,6 +184,17 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
     resolve_device(args.device)  # before any loading: a device that cannot work is said at once
+    rank = join_tensor_parallel(args.tp)
+    try:
+        return _generate(args, sampling, rank)
+    finally:
+        if args.tp > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _generate(args, sampling, rank: int) -> int:
+    """Every rank loads its shard and decodes (SPMD: the same steps and collectives); rank 0 prints."""
     prompt = _read_prompt(args.prompt)
     path = resolve_path(args.model, args.revision)
     max_seq_len = args.max_seq_len
@@ -166,10 +206,15 @@ def run(args) -> int:
             max_seq_len = len(tok.encode(prompt)) + args.max_new_tokens
     model = load_model(args, path, max_seq_len)
     for piece in model.stream(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling):
-        sys.stdout.write(piece)
+        if rank == 0:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    if rank == 0:
+        sys.stdout.write("\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if not args.quiet:
-        print(stats_line(model), file=sys.stderr)
+        if not args.quiet:
+            print(stats_line(model), file=sys.stderr)
+    if args.tp > 1:  # leave together: a gloo peer torn down while the other still talks can abort it
+        import torch.distributed as dist
+        dist.barrier()
     return 0

@@ -267,12 +267,13 @@ class _TextState:
 class _Job:
     """The loop's state of one admitted request."""
 
-    def __init__(self, handle: Handle, stop_ids: frozenset[int], tokenizer, plan):
+    def __init__(self, handle: Handle, stop_ids: frozenset[int], tokenizer, plan, seeds=random):
         r = handle.request
         self.handle, self.req = handle, r
         self.stop_ids = stop_ids
         self.greedy = r.sampling.temperature == 0
-        self.seed = r.sampling.seed if r.sampling.seed is not None else random.getrandbits(62)
+        # seeds: the model's seed source (the same sequence on every tensor-parallel rank)
+        self.seed = r.sampling.seed if r.sampling.seed is not None else seeds.getrandbits(62)
         self.text = _TextState(tokenizer, r.stop_strings)
         self.slot: int | None = None
         self.plan = plan                   # prefill chunks still to run
@@ -328,21 +329,33 @@ class Scheduler:
     def submit(self, request: Request) -> Handle:
         """Queue ``request``; a :class:`Handle` to its events. ValueError / TypeError for a bad request
         (naming the field), :class:`QueueFull` when ``max_queue`` requests already wait."""
-        stop_ids = self._validate(request)
-        plan = chunk_plan(len(request.prompt), self.prefill_chunk, self.model.max_seq_len, self._pad)
-        handle = Handle(request, self)
-        job = _Job(handle, stop_ids, self.model.tokenizer, plan)
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests) -> list[Handle]:
+        """Queue ``requests`` together (all or none): the loop sees them in one iteration, so the
+        admissions, prefill chunks and decode steps that follow depend on the requests alone, not on
+        thread timing; what keeps tensor-parallel ranks' collectives in step (SPMD ``generate``).
+        Errors as :meth:`submit` (QueueFull when they do not all fit).
+
+        Example:
+            >>> hs = sched.submit_many([Request([1, 2], 8, greedy), Request([3], 8, greedy)])
+        """
+        jobs = []
+        for request in requests:
+            stop_ids = self._validate(request)
+            plan = chunk_plan(len(request.prompt), self.prefill_chunk, self.model.max_seq_len, self._pad)
+            jobs.append(_Job(Handle(request, self), stop_ids, self.model.tokenizer, plan, self.model.seed_source))
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the scheduler is shut down")
-            if len(self._queue) >= self.max_queue:
+            if len(self._queue) + len(jobs) > self.max_queue:
                 raise QueueFull(f"the queue holds max_queue={self.max_queue} waiting requests")
-            self._queue.append(job)
-            self._counts["requests"] += 1
-            self._counts["prompt_tokens"] += len(request.prompt)
+            self._queue.extend(jobs)
+            self._counts["requests"] += len(jobs)
+            self._counts["prompt_tokens"] += sum(len(j.req.prompt) for j in jobs)
             self._ensure_thread()
             self._cond.notify_all()
-        return handle
+        return [j.handle for j in jobs]
 
     def start(self) -> None:
         """Run the loop in a background thread until :meth:`shutdown` (idempotent). Without it the

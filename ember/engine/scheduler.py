@@ -17,6 +17,14 @@ sampler counter (tokens drawn so far), so a seeded request draws the same tokens
 batch. A batch whose rows are all greedy takes the argmax graph; one whose requests ask for logprobs
 takes the graph variant that also computes them (the others pay nothing).
 
+Tensor parallel (SPMD: every rank runs its own scheduler on the same submissions): what a loop
+iteration does depends only on the requests and the tokens drawn (the same on every rank, seedless
+requests included: ``Model.seed_source``), not on thread timing, as long as each call's requests
+arrive together (:meth:`Scheduler.submit_many`, what ``generate`` / ``stream`` use). Two inputs
+remain timing-dependent and so must not differ by rank there: cancellations (``Handle.cancel``,
+closing a stream early) and submissions from several threads at once; a server must decide those on
+rank 0 and hand them to the other ranks' loops (not done yet: ``ember serve`` has no ``--tp``).
+
 Example:
     >>> sched = Scheduler(model)
     >>> sched.warmup(); sched.start()

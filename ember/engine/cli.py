@@ -179,6 +179,25 @@ def _read_prompt(arg: str) -> str:
     return text
 
 
+def _shared_prompt(arg: str, rank: int) -> str:
+    """The prompt on every rank: rank 0 alone reads stdin (ranks reading one pipe would split it) and
+    broadcasts the text, or its error, which every rank then raises."""
+    if arg != "-":
+        return arg
+    import torch.distributed as dist
+    box: list = [None]
+    if rank == 0:
+        try:
+            box = [(True, _read_prompt(arg))]
+        except ValueError as e:
+            box = [(False, str(e))]
+    dist.broadcast_object_list(box, src=0)
+    ok, text = box[0]
+    if not ok:
+        raise ValueError(text)
+    return text
+
+
 def run(args) -> int:
     sampling = sampling_from(args)
     if args.max_new_tokens < 1:
@@ -195,7 +214,7 @@ def run(args) -> int:
 
 def _generate(args, sampling, rank: int) -> int:
     """Every rank loads its shard and decodes (SPMD: the same steps and collectives); rank 0 prints."""
-    prompt = _read_prompt(args.prompt)
+    prompt = _read_prompt(args.prompt) if args.tp == 1 else _shared_prompt(args.prompt, rank)
     path = resolve_path(args.model, args.revision)
     max_seq_len = args.max_seq_len
     if args.chat or max_seq_len is None:

@@ -107,19 +107,19 @@ def test_generate_when_a_row_stops_at_its_first_draw(ids_ckpt):
     assert model.generate(PROMPTS[:1], max_new_tokens=4, stop=[first]) == [[]]
 
 
-def _cli(*args, torchrun: bool = False, timeout: float = 120):
+def _cli(*args, torchrun: bool = False, input: str | None = None, timeout: float = 120):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] \
         if torchrun else [sys.executable]
     return subprocess.run([*launcher, "-m", "ember", "generate", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+                          input=input, timeout=timeout)
 
 
 def test_cli_tp_prints_once_and_matches_one_process(ckpt):
     # --standalone: torchrun's rendezvous on localhost at a free port (no --master-port to pick)
-    args = ("--model", ckpt, "--prompt", "once upon a time there", "--max-new-tokens", NEW, "--device", "cpu",
-            "--temperature", "1.0", "--seed", "11")
-    one = _cli(*args)
-    two = _cli(*args, "--tp", "2", torchrun=True)
+    # the ranks' prompt from stdin: rank 0 reads it and hands it on (two readers would split the pipe)
+    args = ("--model", ckpt, "--max-new-tokens", NEW, "--device", "cpu", "--temperature", "1.0", "--seed", "11")
+    one = _cli(*args, "--prompt", "once upon a time there")
+    two = _cli(*args, "--prompt", "-", "--tp", "2", torchrun=True, input="once upon a time there\n")
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     assert one.stdout.strip(), one.stdout  # some text, or the comparison below shows nothing

@@ -29,13 +29,4 @@ def generate_run(rank: int, world: int, tmp: str, ckpt: str, new_tokens: int) ->
     except Exception:
         out["error"] = traceback.format_exc()
     torch.save(out, tmp / f"rank{rank}.pt")
-    _leave()
-
-
-def _leave() -> None:
-    """Leave the group together: a gloo group torn down at exit while its peer is already gone can
-    abort the process (SIGABRT), which the test would count as a failed rank."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    _worker.leave()

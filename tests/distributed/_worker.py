@@ -16,6 +16,15 @@ def _init(tmp: Path, rank: int, world: int, timeout_s: float = 60):
     return ed.init("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout_s=timeout_s)
 
 
+def leave() -> None:
+    """Leave the group together: a gloo group torn down at exit while its peer is already gone can
+    abort the process (SIGABRT, exit code -6), which the test would count as a failed rank."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _record_reads():
     """Instrument ember.loading's reader: (checkpoint name, shape read) of every tensor this rank reads."""
     from ember import loading
@@ -75,6 +84,7 @@ def split_run(rank: int, world: int, tmp: str, ckpt: str, new_tokens: int) -> No
     except Exception:
         out["error"] = traceback.format_exc()
     torch.save(out, tmp / f"rank{rank}.pt")
+    leave()
 
 
 def failing_run(rank: int, world: int, tmp: str, ckpt: str) -> None:

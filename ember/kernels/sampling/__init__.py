@@ -55,7 +55,8 @@ top-p alone (``_waves_pay``), the two launches otherwise.
 Temperature alone (scalar parameters: t > 0, no top-k, top-p or min-p) needs no row statistic: the
 one-launch sampler then races each chunk without its barrier (``_free_race_row``; H200 [1, 128256]:
 4.41 vs 6.19 us with the barrier). Launch 2 draws with an exponential race (Gumbel-max): token ``argmax(z - log(-log u))``
-over the surviving tokens, ``u`` from Philox keyed on (seed, token, row, offset), so no sort and no
+over the surviving tokens, ``u`` from Philox keyed on the row's seed (a per-row seed as given, a
+batch-wide one mixed with the row index) at counter (token, offset), so no sort and no
 cumulative sum over the row. The survivors are ``{z >= tau}`` for one threshold tau:
   * no top-k / top-p: tau comes from the row max alone (min-p), every program races its chunk and
     the winners meet in a packed int64 ``atomic_max``; the last program of the row writes the token;

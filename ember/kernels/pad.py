@@ -121,6 +121,12 @@ def _elements(x_ptr, out_ptr, off_x, off_o, valid, cols, in_row, lo_c, in_c, xs_
 
 
 @triton.jit
+def _pure_chunks(j, rel_lo, rel_hi):
+    """[RB, words]: the word's chunk holds only data (no padding) for its row."""
+    return (j >= ((rel_lo + 15) >> 4)[:, None]) & (j < (rel_hi >> 4)[:, None])
+
+
+@triton.jit
 def _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, fill_hi, x_shift,
                out_c, lo_c, in_c,
                RB: tl.constexpr, NCH: tl.constexpr, ES: tl.constexpr, DATA: tl.constexpr, MODE: tl.constexpr):
@@ -157,18 +163,19 @@ def _wide_rows(x_ptr, out_ptr, off_x, off_o, row_ok, valid, cb, fill, fill_lo, f
     # lanes along the row (4 words, one 16-byte store, a thread) whatever the row count.
     w = cb * (4 * NCH) + tl.arange(0, 4 * NCH).to(idx_t)
     j = (w // 4)[None, :]  # the word's chunk
-    pure = (j >= ((rel_lo + 15) >> 4)[:, None]) & (j < (rel_hi >> 4)[:, None])
     if MODE == 0:
         store_ok = (j < n_ch[:, None]) & (j != m_lo[:, None]) & (j != m_hi[:, None])
     else:
-        store_ok = (j < n_ch[:, None]) & pure
+        store_ok = (j < n_ch[:, None]) & _pure_chunks(j, rel_lo, rel_hi)
     if ES == 8:  # the fill's bits over 4-byte words: even and odd words differ for 8-byte elements
         f = tl.where(w[None, :] % 2 == 0, fill_lo.to(tl.uint32), fill_hi.to(tl.uint32))
     else:
         f = fill_lo.to(tl.uint32)
     dst = (((row_b + head) >> 4) * 4)[:, None] + w[None, :]
     if DATA:
-        ld = pure
+        # (formed here, after the store mask: formed before it, Triton 3.6 failed to compile the
+        # constant-mode wide path at [3, 1, 11, 195] bf16 in TritonGPURemoveLayoutConversions)
+        ld = _pure_chunks(j, rel_lo, rel_hi)
         # source bytes of the first chunk, from x's 4-byte-aligned word 0: word s0 / 4, bit shift sh
         s0 = (off_x - lo_c) * ES + x_shift + head
         sh = ((s0 & 3) * 8).to(tl.uint64)[:, None]

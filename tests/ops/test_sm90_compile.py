@@ -13,7 +13,7 @@ from ember import _dispatch
 CHECK = Path(__file__).with_name("sm90_compile_check.py")
 
 
-@pytest.mark.parametrize("case", ["sample_topk_tagged", "softmax_waves", "moe_fp8_decode"])
+@pytest.mark.parametrize("case", ["sample_topk_tagged", "softmax_waves", "moe_fp8_decode", "pad_wide_rows"])
 def test_kernels_compile_for_sm90(case):
     if not _dispatch.triton_available():
         pytest.skip(f"triton not importable: {_dispatch.triton_import_error()}")

@@ -147,17 +147,6 @@ def step_bytes(model, batch: int, context: float) -> float:
     return total + batch * context * per_token
 
 
-def engine_step_ms(model) -> float:
-    """Median replay time of the batch-1 greedy decode graph the scheduler captured (CUDA events)."""
-    g = model.decode_graph(1, greedy=True)
-    ts = []
-    for _ in range(30):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def _prompts(gen, n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(100, min(vocab, 20000), (n, length), generator=gen).tolist()
 
@@ -168,7 +157,7 @@ def _peak_gb(ctx) -> float | None:
 
 # ----------------------------------------------------------------------------- the suite
 def run(ctx: BenchContext) -> list[Row]:
-    from ember.bench.moe import ember_from_hf, make_hf
+    from ember.bench.moe import ember_from_hf, graph_step_ms, make_hf
     quick = ctx.quick or not ctx.on_gpu
     S = dict(c1_prompt=64, c1_new=16, c_prompt=32, c_new=16, conc=(2, 4), long=256, int_new=48, streams=2) if quick \
         else dict(c1_prompt=1024, c1_new=256, c_prompt=512, c_new=256, conc=(8, 32), long=8192, int_new=512, streams=8)
@@ -192,7 +181,7 @@ def run(ctx: BenchContext) -> list[Row]:
         ctx.progress("interference")
         rows.append(_interference_row(ctx, srv, gen, V, S))
     if ctx.on_gpu:  # the engine's step, timed after the server stopped (the loop owns the GPU while it runs)
-        step = engine_step_ms(model)
+        step = graph_step_ms(model, 1)  # the batch-1 greedy graph the scheduler captured
         r = rows[0]
         r.baseline = 1e3 / step
         r.extra["engine_step_ms"] = step

@@ -157,8 +157,8 @@ class Model:
         self._top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self._min_p = torch.zeros(B, dtype=torch.float32, device=dev)
         # Per row, the sampler's seed for the row's next draw: the request's seed, advanced by
-        # SEED_STEP after every draw; the batch's one counter (offset) is zeroed before each draw, so
-        # (row seed, 0) is a row's whole key and its tokens do not depend on its slot or batch.
+        # SEED_STEP after every draw (sample_step); a per-row seed is its row's whole key, so a row's
+        # tokens do not depend on its slot or batch.
         self._seed = torch.zeros(B, dtype=torch.int64, device=dev)
         self._one_row = {"temperature": torch.zeros(1, dtype=torch.float32, device=dev),
                          "top_k": torch.zeros(1, dtype=torch.int64, device=dev),
@@ -318,7 +318,7 @@ class Model:
         last = _to_device(torch.tensor([len(ids) - 1], dtype=torch.int64), self.device)
         return self.net.prefill(x, row_caches, last_index=last, start=start)
 
-    def _set_row_sampling(self, row: int, s: SamplingParams, seed: int) -> None:
+    def _set_row_sampling(self, row: int, s: SamplingParams) -> None:
         """The row's sampling parameters (device fills, no host sync; the seed is set at its first draw)."""
         self._temperature[row] = float(s.temperature)
         self._top_k[row] = int(s.top_k)

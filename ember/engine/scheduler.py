@@ -531,7 +531,7 @@ class Scheduler:
             self._finish(j, Event(None, "", finish_reason="cancelled"))
         for j in admitted:
             try:
-                self.model._set_row_sampling(j.slot, j.req.sampling, j.seed)
+                self.model._set_row_sampling(j.slot, j.req.sampling)
             except Exception as e:
                 self._fail([j], e)
                 continue

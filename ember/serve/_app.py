@@ -239,6 +239,14 @@ class Server:
         return RequestError("the engine failed while generating this request (see the server's log)", status=500,
                             type="server_error", code="engine_error")
 
+    async def completed(self, handle, request: HTTPRequest):
+        """A non-streamed request's events once it ended with "stop" or "length"; None when the client
+        went away first; the engine's failure or a shutdown raised as its RequestError."""
+        events = await self.collect(handle, request)
+        if events is not None and events[-1].finish_reason not in ("stop", "length"):
+            raise self.failure(events[-1].finish_reason)
+        return events
+
     async def collect(self, handle, request: HTTPRequest):
         """All of a handle's events, or None when the client went away first (the handle is cancelled)."""
         events, t0, stamps = [], time.perf_counter(), []
@@ -365,12 +373,10 @@ def build(model, *, api_key: str | None = None, max_queue: int = 256, max_body_b
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}]}
             return srv.stream(handle, chunk, [first], body.include_usage)
-        events = await srv.collect(handle, request)
+        events = await srv.completed(handle, request)
         if events is None:
             return JSONResponse(error_body("client disconnected"), status_code=499)
         reason = events[-1].finish_reason
-        if reason not in ("stop", "length"):
-            raise srv.failure(reason)
         return {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in events)},
                              "logprobs": srv.chat_logprobs(events) if body.logprobs else None,
@@ -399,12 +405,10 @@ def build(model, *, api_key: str | None = None, max_queue: int = 256, max_body_b
                                                       "finish_reason": ev.finish_reason}]}
 
             return srv.stream(handle, chunk, [], body.include_usage)
-        events = await srv.collect(handle, request)
+        events = await srv.completed(handle, request)
         if events is None:
             return JSONResponse(error_body("client disconnected"), status_code=499)
         reason = events[-1].finish_reason
-        if reason not in ("stop", "length"):
-            raise srv.failure(reason)
         return {**head, "choices": [{"index": 0, "text": "".join(e.text for e in events),
                                      "logprobs": srv.completion_logprobs(events, 0) if body.logprobs is not None else None,
                                      "finish_reason": reason}],

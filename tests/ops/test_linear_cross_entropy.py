@@ -169,14 +169,13 @@ def test_bad_inputs_name_the_argument():
 
 
 # ------------------------------------------------------------------ GPU, real shapes
-def torch_path(x, w, t):
-    """What a model does without fusion: F.linear in the input dtype, float32 cross-entropy."""
-    return F.cross_entropy(F.linear(x, w).float(), t)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_matches_float32_torch_path(cuda, dtype):
+def test_gpu_full_vocab_against_float64(cuda, dtype):
+    """A full Qwen3 vocabulary on the GPU, held to float64 logits of the same rounded inputs. torch's
+    own float32 path (F.linear + F.cross_entropy) is measured beside it: over a 151,936-term
+    reduction its gradient error is of the same order as ember's, so ember must be within GRAD_TOL or
+    at least as close to float64 as that path (the bound a user of the stock path already accepts)."""
     N, H, V = 2048, 2048, 151936
     x = torch.randn(N, H, device=cuda, dtype=dtype, requires_grad=True)
     w = (torch.randn(V, H, device=cuda) / H ** 0.5 * 2).to(dtype).requires_grad_()
@@ -184,13 +183,18 @@ def test_gpu_matches_float32_torch_path(cuda, dtype):
     t[::7] = -100
     loss = ember.ops.linear_cross_entropy(x, w, t)
     gx, gw = torch.autograd.grad(loss, (x, w))
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    exp = F.cross_entropy(xd @ wd.t(), t)
+    ex, ew = torch.autograd.grad(exp, (xd, wd))
     xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    exp = F.cross_entropy(xf @ wf.t(), t)  # float32 logits of the same rounded inputs
-    ex, ew = torch.autograd.grad(exp, (xf, wf))
-    torch.testing.assert_close(loss, exp, atol=1e-4, rtol=1e-5)
-    for g, e in ((gx, ex), (gw, ew)):
-        err = (g.float() - e).abs().max().item() / e.abs().max().item()
-        assert err <= GRAD_TOL[dtype] * (5 if dtype == torch.float32 else 1), err  # fp32: cuBLAS order
+    stock = F.cross_entropy(xf @ wf.t(), t)
+    sx, sw = torch.autograd.grad(stock, (xf, wf))
+    torch.testing.assert_close(loss.double(), exp, atol=1e-5, rtol=1e-5)
+    for name, g, s, e in (("x", gx, sx, ex), ("weight", gw, sw, ew)):
+        scale = e.abs().max().item()
+        err = (g.double() - e).abs().max().item() / scale
+        stock_err = (s.double() - e).abs().max().item() / scale
+        assert err <= max(GRAD_TOL[dtype], stock_err), f"grad {name}: {err:.2e} (float32 torch path {stock_err:.2e})"
 
 
 @pytest.mark.gpu

@@ -9,11 +9,33 @@ from collections.abc import Callable, Sequence
 import torch
 
 L2_BYTES = 60 * 1024 * 1024
+H200_COPY_GBS = 4155.0  # GUIDE section 6; the figure bandwidth rows are judged by off the GPU
+_copy_gbs: dict[str, float] = {}
 
 
 def copies_to_exceed_l2(bytes_per_set: int, minimum: int = 1) -> int:
     """How many input sets to rotate through so a pass over them is > 2x the L2 cache."""
     return max(minimum, -(-2 * L2_BYTES // max(1, bytes_per_set)))
+
+
+def copy_bandwidth_gbs(device: torch.device) -> float:
+    """The device's copy bandwidth measured now (GB/s read + written by ``dst.copy_(src)`` of 1 GiB,
+    median of 20 CUDA-event timings), so a "fraction of copy bandwidth" row is judged by the GPU it
+    ran on; the H200's figure off the GPU (where such rows judge nothing).
+
+    Example:
+        >>> copy_bandwidth_gbs(torch.device("cuda"))  # ~4,150 on an H200
+    """
+    if device.type != "cuda":
+        return H200_COPY_GBS
+    key = str(torch.cuda.get_device_name(device))
+    if key not in _copy_gbs:
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        us = event_time_us([lambda: dst.copy_(src)], iters=20, warmup=3)
+        _copy_gbs[key] = 2 * src.numel() / us / 1e3
+        del src, dst
+    return _copy_gbs[key]
 
 
 def graph_time_us(calls: Sequence[Callable[[], object]], *, replays: int = 25, calls_per_graph: int | None = None) -> float:

@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import torch
 
+from ember.engine import prefill_graphs
 from ember.ops.sampling import SamplingParams
 
 __all__ = ["Scheduler", "Request", "Handle", "Event", "QueueFull", "chunk_plan"]
@@ -684,6 +685,7 @@ class Scheduler:
                 logits = m._prefill_chunk(0, [0] * n, 0, n)
         if self.prefill_chunk < m.max_seq_len:  # a chunk after a cached prefix (the masked attention)
             m._prefill_chunk(0, [0], self.prefill_chunk, 1)
+        prefill_graphs.capture(m, chunk_sizes(self.prefill_chunk))  # a prompt's first chunk, every length
         for temperature in (0.0, 1.0):
             for lp in (False, True):
                 m._first_token(0, logits, SamplingParams(temperature=temperature), 0, lp)

@@ -306,6 +306,7 @@ def test_gpu_warmup_leaves_nothing_to_capture_or_compile(moe_path, cuda):
     assert sched.warmup() > 0
     graphs = len(m._graphs)
     assert graphs == len(sched.buckets) * 4
+    assert sorted(m._prefill_graphs) == [1, 2, 4, 8, 16, 32]  # a prompt's first chunk, each padded length
     captures, compiles = [], []
     real_capture = torch.cuda.CUDAGraph.capture_begin
     old_hook = knobs.runtime.jit_post_compile_hook

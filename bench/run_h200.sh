@@ -34,6 +34,7 @@ for what in "$@"; do
     timeout -s INT 400 python -m pytest -m gpu -n 14 -q -rfE --tb=line -p no:cacheprovider tests/ > "$OUT/gpu_tests.txt" 2>&1
     grep -E "^FAILED|passed|failed" "$OUT/gpu_tests.txt" | tail -30
   else
-    timeout 560 python -m ember bench "$what" ${BENCH_FLAGS:-} --json "$OUT/$what.json" 2>&1 | tail -25
+    # the whole log in $OUT: a suite stopped at its limit still shows how far it got
+    timeout 560 python -m ember bench "$what" ${BENCH_FLAGS:-} --json "$OUT/$what.json" 2>&1 | tee "$OUT/$what.log" | tail -25
   fi
 done

@@ -14,6 +14,7 @@ import argparse
 import importlib
 import json
 import sys
+import time
 import warnings
 
 VERB_MODULES = {
@@ -54,8 +55,10 @@ def _cmd_bench(args) -> int:
                   transient=True) as progress:
         task = progress.add_task("bench", total=None)
         for name in chosen:
-            def report(msg, name=name):
+            def report(msg, name=name, t0=time.perf_counter()):
                 progress.update(task, description=f"[{name}] {msg}")
+                if not console.is_terminal:  # a log (CI, a GPU job): how far a suite got, and when
+                    print(f"[{name} {time.perf_counter() - t0:7.1f} s] {msg}", file=sys.stderr, flush=True)
             try:
                 results[name] = bench.run_suite(name, quick=args.quick, device=args.device, progress=report,
                                                 hf_compile=args.hf_compile, variants=args.variants)

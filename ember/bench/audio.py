@@ -57,8 +57,8 @@ def _row(ctx: BenchContext, name: str, model, z: torch.Tensor, hop: int, baselin
     with torch.no_grad():  # warm-up: kernels loaded, cuDNN plans picked
         baseline(z[:, :, :64])
     # ember's first call at full length compiles the snake / pad variants its chunk shapes need (Triton
-    # specialises on sizes divisible by 16; a 64-frame warm-up missed them: on a cold H100 the Oobleck
-    # row's first call took 7.3 s against 0.9 s warm); recorded, then the timed call runs warm
+    # specialises on sizes divisible by 16, which a 64-frame warm-up does not cover: timed as the first
+    # call on a cold H100 the Oobleck row took 7.3 s, 0.88 s warm on the H200); recorded, then timed warm
     ctx.progress(f"{name}: ember, first call")
     first, first_s, _, _ = _timing.timed_with_peak(ours, ctx.device)
     del first

@@ -95,9 +95,9 @@ class _Served:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url, self.name = f"http://127.0.0.1:{port}", "bench"
-        self.prefill_chunk = model.scheduler.prefill_chunk
-        cfg = uvicorn.Config(ember.serve.app(model, model_name=self.name), host="127.0.0.1", port=port,
-                             log_level="warning")
+        app = ember.serve.app(model, model_name=self.name)
+        self.prefill_chunk = app.state.server.scheduler.prefill_chunk
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -295,7 +295,8 @@ class Scheduler:
     """Continuous batching over ``model``'s cache rows (``model.max_batch_size`` slots).
 
     ``max_queue``: requests waiting for a slot before ``submit`` raises :class:`QueueFull`;
-    ``prefill_chunk``: the longest prefill a loop iteration runs between two decode steps.
+    ``prefill_chunk``: the longest prefill a loop iteration runs between two decode steps (default
+    ``model.prefill_chunk``).
 
     Example:
         >>> sched = Scheduler(model, max_queue=64, prefill_chunk=512)
@@ -304,7 +305,9 @@ class Scheduler:
         >>> for ev in h: print(ev.token, ev.text, ev.finish_reason)
     """
 
-    def __init__(self, model, *, max_queue: int = 256, prefill_chunk: int = 512):
+    def __init__(self, model, *, max_queue: int = 256, prefill_chunk: int | None = None):
+        if prefill_chunk is None:  # the model's (ember.engine.default_prefill_chunk unless it was given one)
+            prefill_chunk = model.prefill_chunk
         for name, v, lo in (("max_queue", max_queue, 1), ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
@@ -394,7 +397,7 @@ class Scheduler:
         """Queue depth, slots in use, slot count and running totals (requests, tokens, steps)."""
         with self._lock:
             return {"queue_depth": len(self._queue), "slots_in_use": sum(j is not None for j in self._rows),
-                    "slots": self.slots, **self._counts}
+                    "slots": self.slots, "prefill_chunk": self.prefill_chunk, **self._counts}
 
     def warmup(self) -> float:
         """Capture every decode graph the loop uses (each bucket, greedy or not, with and without

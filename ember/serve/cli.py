@@ -28,6 +28,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                    help=f"requests decoded together (cache rows, the scheduler's slots; default "
                         f"{DEFAULT_MAX_BATCH_SIZE})")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="longest prompt piece prefilled between two decode steps, in tokens (default: the model's "
+                        "weight-read ridge, 2048 for Qwen3-30B-A3B, 512 for dense models; shorter chunks stall "
+                        "running streams for less time each but more often)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=None,
@@ -46,7 +50,8 @@ def _check(args) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: expected a TCP port in [0, 65535], got {args.port}")
     for flag, v in (("--max-batch-size", args.max_batch_size), ("--max-queue", args.max_queue),
-                    ("--max-body-bytes", args.max_body_bytes), ("--max-seq-len", args.max_seq_len)):
+                    ("--max-body-bytes", args.max_body_bytes), ("--max-seq-len", args.max_seq_len),
+                    ("--prefill-chunk", args.prefill_chunk)):
         if v is not None and v < 1:
             raise ValueError(f"{flag}: expected an int >= 1, got {v}")
     if args.api_key is not None and (not args.api_key or args.api_key != args.api_key.strip()):
@@ -81,12 +86,15 @@ def run(args) -> int:
               "use the model", file=sys.stderr)
     model = ember.load(path, device=resolve_device(args.device), dtype=args.dtype, fp8=args.fp8,
                        max_seq_len=max_seq_len, max_batch_size=args.max_batch_size, fp8_lm_head=args.fp8_lm_head)
+    if args.prefill_chunk is not None:  # before the scheduler exists: it takes the model's chunk
+        model.prefill_chunk = args.prefill_chunk
     # the id clients send: a hub id as typed, a directory by its name
     name = args.served_model_name or (Path(args.model).expanduser().name if Path(args.model).expanduser().is_dir()
                                       else args.model)
     kw = {k: v for k, v in (("max_queue", args.max_queue), ("max_body_bytes", args.max_body_bytes)) if v is not None}
     app = ember.serve.app(model, api_key=args.api_key, model_name=name, **kw)
-    print(f"ember serve: {model.name} on {model.device}, {args.max_batch_size} slots x {max_seq_len} tokens; "
+    print(f"ember serve: {model.name} on {model.device}, {args.max_batch_size} slots x {max_seq_len} tokens, "
+          f"{model.prefill_chunk}-token prefill chunks; "
           f"warming up, then listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -54,6 +54,11 @@ def test_model_takes_the_derived_chunk_unless_given(moe_path):
     m = ember.load(moe_path, device="cpu", max_seq_len=64, max_batch_size=2)
     assert m.prefill_chunk == default_prefill_chunk(m.net)
     assert m.scheduler.prefill_chunk == m.prefill_chunk
+    assert Scheduler(m).prefill_chunk == m.prefill_chunk  # what ember.serve.app builds
+    assert Scheduler(m, prefill_chunk=8).prefill_chunk == 8
+    given = ember.load(moe_path, device="cpu", max_seq_len=64, max_batch_size=2)
+    given.prefill_chunk = 16
+    assert given.scheduler.prefill_chunk == 16
 
 
 @pytest.mark.parametrize("row,n,length", [(2, 11, 16), (0, 16, 16), (3, 1, 8)])

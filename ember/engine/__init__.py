@@ -50,7 +50,7 @@ def default_prefill_chunk(net, *, least: int = 512, most: int = 4096) -> int:
 
     Below that length a chunk costs about one full weight read whatever its size, so shorter chunks
     only add stalls for the streams decoding between them. For a dense model every weight is active
-    and the ridge is ~190 tokens (so ``least``); for an MoE it is ~190 x (all expert bytes / the
+    and the ridge is ~190 tokens (so ``least``); for an MoE it is ~190 x (all weight bytes / the
     bytes a token reads): Qwen3-30B-A3B reads 1 / 9.2 of its weights a token -> 1,750 -> 2,048.
 
     Example:
@@ -59,7 +59,7 @@ def default_prefill_chunk(net, *, least: int = 512, most: int = 4096) -> int:
     """
     total = active = 0
     for layer in net.layers:
-        for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+        for t in list(layer.parameters()) + list(layer.buffers()):
             n = t.numel() * t.element_size()
             total += n
             active += n
@@ -167,7 +167,7 @@ class Model:
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
         self.fp8, self.name = fp8, name
         # the default scheduler's chunk length (None: derived from the model, default_prefill_chunk)
-        self.prefill_chunk = prefill_chunk or default_prefill_chunk(net)
+        self.prefill_chunk = default_prefill_chunk(net) if prefill_chunk is None else prefill_chunk
         self.eos_ids = set(eos_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)

@@ -425,5 +425,7 @@ def test_per_row_seed_draw_does_not_depend_on_the_row(mode, request):
             seeds[pos] = s
             tok = ember.ops.sample(batch, **mix, seed=seeds, offset=torch.full((1,), 4))
             assert int(tok[pos]) == alone[s], (pos, s)
-    same = ember.ops.sample(x.expand(64, 500).contiguous(), **mix, seed=5)
-    assert len(set(same.tolist())) > 8  # a batch-wide seed: rows are distinct streams
+    # a batch-wide seed: rows are distinct streams (one shared stream gives 1 distinct token; 16
+    # independent draws over these ~400 tokens give <= 4 distinct with probability < 1e-9)
+    same = ember.ops.sample(x.expand(16, 500).contiguous(), **mix, seed=5)
+    assert len(set(same.tolist())) > 4

@@ -58,7 +58,7 @@ def _row(ctx: BenchContext, name: str, model, z: torch.Tensor, hop: int, baselin
         baseline(z[:, :, :64])
     # ember's first call at full length compiles the snake / pad variants its chunk shapes need (Triton
     # specialises on sizes divisible by 16, which a 64-frame warm-up does not cover: timed as the first
-    # call on a cold H100 the Oobleck row took 7.3 s, 0.88 s warm on the H200); recorded, then timed warm
+    # call on a cold H100 the Oobleck row took 7.3 s, as long as diffusers); recorded, then timed warm
     ctx.progress(f"{name}: ember, first call")
     first, first_s, _, _ = _timing.timed_with_peak(ours, ctx.device)
     del first

@@ -135,7 +135,7 @@ def ember_decode(model, prompts, new_tokens) -> dict:
 
 def step_graph(model, B: int):
     """The CUDA graph of ``model``'s decode step at batch ``B`` (captured by a generate before)."""
-    return model.decode_graph(B, greedy=True)
+    return model.decode_graph(B)
 
 
 def graph_step_ms(model, B: int) -> float:

@@ -81,19 +81,23 @@ def _sample_rows(ctx, data, seed, offset) -> list[Row]:
 
 def _engine_rows(ctx, data) -> list[Row]:
     """The draw the decode graph runs (``engine.sample_step``: per-row tensors, per-row seeds advanced
-    after the draw) at one row, against the scalar call the rows above time."""
-    from ember.engine import sample_step
+    after the draw, the batch's ``every_row`` mode from ``sampling_mode`` as the engine derives it)
+    at one row, against the scalar call the rows above time."""
+    from ember.engine import SamplingParams, sample_step, sampling_mode
     dev, rows = ctx.device, []
+    V = data[0].shape[1]
     for name, k, p, target in (("sample_engine_t0.7_k50_p0.9", 50, 0.9, 6.6), ("sample_engine_t0.7", 0, 1.0, 4.6)):
+        mode = sampling_mode(SamplingParams(temperature=0.7, top_k=k, top_p=p), V)
+        every_row = None if mode == "any" else mode
         params = (torch.full((1,), 0.7, device=dev), torch.full((1,), k, dtype=torch.int64, device=dev),
                   torch.full((1,), p, device=dev), torch.zeros(1, device=dev))
         seed = torch.tensor([1234], device=dev)
-        e, how = _time(ctx, [lambda x=x: sample_step(x, *params, seed) for x in data])
+        e, how = _time(ctx, [lambda x=x: sample_step(x, *params, seed, every_row=every_row) for x in data])
         scalar, _ = _time(ctx, [lambda x=x: ember.ops.sample(x, temperature=0.7, top_k=k, top_p=p, seed=seed,
                                                               check=False) for x in data])
-        V = data[0].shape[1]
         rows.append(Row(f"{name}_1x{V}", "us", e, scalar, f"ember.ops.sample with Python scalars ({how}-timed)",
-                        target=f"<= {target} us", meets=e <= target if ctx.on_gpu else None))
+                        target=f"<= {target} us", meets=e <= target if ctx.on_gpu else None,
+                        extra={"every_row": every_row}))
     return rows
 
 

@@ -204,9 +204,12 @@ class Model:
         self._lp = torch.zeros(B, dtype=torch.float32, device=dev)                  # chosen token's logprob
         self._top_lp = torch.zeros(B, k, dtype=torch.float32, device=dev)           # top-k logprobs
         self._top_ids = torch.zeros(B, k, dtype=torch.int64, device=dev)
-        # (batch, all greedy, logprobs) -> graph
-        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
-        self._greedy, self._logprobs = True, False  # what _step computes (baked into a capture)
+        # (batch, sampling mode, logprobs) -> graph; the mode is what every row of the step samples by
+        # (sampling_mode), so the sampler takes its specialised path without reading the rows
+        self._graphs: dict[tuple[int, str, bool], torch.cuda.CUDAGraph] = {}
+        self._mode, self._logprobs = "greedy", False  # what _step computes (baked into a capture)
+        # per row, the SamplingParams its parameter tensors hold (a request's, or a _conform_rows filler)
+        self._row_params: list[SamplingParams] = [SamplingParams(temperature=0.0)] * B
         self._argmax_fn = None
         self.use_cuda_graph = dev.type == "cuda"
         self.capture_s = 0.0  # seconds spent capturing decode and prefill graphs so far
@@ -263,11 +266,11 @@ class Model:
 
     # ------------------------------------------------------------------ decode step
     def _next_tokens(self, logits: torch.Tensor, B: int) -> torch.Tensor:
-        if self._greedy:
+        if self._mode == "greedy":
             # All rows greedy: argmax, no filtering or random numbers (cheaper than sample at T=0).
             return self._argmax(logits)
         return sample_step(logits, self._temperature[:B], self._top_k[:B], self._top_p[:B], self._min_p[:B],
-                           self._seed[:B])
+                           self._seed[:B], every_row=None if self._mode == "any" else self._mode)
 
     def _write_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: slice) -> None:
         """log_softmax of the raw logits (before temperature and filters) at the chosen tokens and its top-k."""
@@ -320,29 +323,45 @@ class Model:
         torch.cuda.synchronize(self.device)
         return graph
 
-    def _graph(self, B: int, greedy: bool, logprobs: bool) -> torch.cuda.CUDAGraph:
-        """The captured step for (B, greedy, logprobs), captured now if warm-up did not (timed in capture_s)."""
-        key = (B, greedy, logprobs)
+    def _graph(self, B: int, mode: str, logprobs: bool) -> torch.cuda.CUDAGraph:
+        """The captured step for (B, mode, logprobs), captured now if warm-up did not (timed in capture_s)."""
+        key = (B, mode, logprobs)
         graph = self._graphs.get(key)
         if graph is None:
+            if mode not in SAMPLING_MODES:
+                raise ValueError(f"mode: expected one of {SAMPLING_MODES}, got {mode!r}")
             t0 = time.perf_counter()
-            saved = self._greedy, self._logprobs
-            self._greedy, self._logprobs = greedy, logprobs
+            saved = self._mode, self._logprobs
+            self._mode, self._logprobs = mode, logprobs
             try:
+                self._conform_rows(B, mode)  # the warm-up steps sample every row under the mode's promise
                 with torch.no_grad():
                     graph = self._graphs[key] = self._capture(B)
             finally:
-                self._greedy, self._logprobs = saved
+                self._mode, self._logprobs = saved
             self.capture_s += time.perf_counter() - t0
         return graph
 
-    def _decode(self, B: int, greedy: bool, logprobs: bool) -> None:
-        """Run one decode step of rows 0..B-1 (a graph replay on the GPU, eager elsewhere)."""
+    def _decode(self, B: int, mode: str, logprobs: bool) -> None:
+        """Run one decode step of rows 0..B-1 (a graph replay on the GPU, eager elsewhere); ``mode``
+        (``batch_mode`` of the decoding rows) must hold for every decoding row among them."""
+        self._conform_rows(B, mode)
         if self.use_cuda_graph:
-            self._graph(B, greedy, logprobs).replay()
+            self._graph(B, mode, logprobs).replay()
             return
-        self._greedy, self._logprobs = greedy, logprobs
+        self._mode, self._logprobs = mode, logprobs
         self._step(B)
+
+    def _conform_rows(self, B: int, mode: str) -> None:
+        """Rows 0..B-1 whose parameters break ``mode``'s promise get a filler that keeps it. Such a row
+        is not decoding (the scheduler picks a mode every decoding row takes); its token is discarded,
+        and ``_set_row_sampling`` puts its request's parameters back when it joins."""
+        if mode not in ("temperature_only", "top_k"):
+            return  # argmax reads no parameters; "any" takes every value
+        V = self.net.vocab_size
+        for row in range(B):
+            if sampling_mode(self._row_params[row], V) != mode:
+                self._set_row_sampling(row, _FILLERS[mode])
 
     # ------------------------------------------------------------------ one cache row (slot)
     def _prefill_chunk(self, row: int, ids: list[int], start: int, padded: int) -> torch.Tensor:
@@ -360,7 +379,11 @@ class Model:
         return self.net.prefill(x, row_caches, last_index=last, start=start)
 
     def _set_row_sampling(self, row: int, s: SamplingParams) -> None:
-        """The row's sampling parameters (device fills, no host sync; the seed is set at its first draw)."""
+        """The row's sampling parameters (device fills, no host sync; the seed is set at its first draw);
+        nothing to do when the row holds them already."""
+        if self._row_params[row] is s:
+            return
+        self._row_params[row] = s
         self._temperature[row] = float(s.temperature)
         self._top_k[row] = int(s.top_k)
         self._top_p[row] = float(s.top_p)
@@ -374,7 +397,8 @@ class Model:
 
         The sampler reads one-element buffers of its own rather than views at ``row``: a view's
         address changes Triton's alignment key, and a row other than 0 would compile a new variant."""
-        if sampling.temperature == 0:
+        mode = sampling_mode(sampling, self.net.vocab_size)
+        if mode == "greedy":
             tok = self._argmax(logits)
         else:
             one = self._one_row
@@ -383,7 +407,8 @@ class Model:
             one["top_p"].fill_(float(sampling.top_p))
             one["min_p"].fill_(float(sampling.min_p))
             one["seed"].fill_(seed)
-            tok = ember.ops.sample(logits, **one, check=False)  # keyed by the seed alone, as sample_step
+            # keyed by the seed alone, as sample_step
+            tok = ember.ops.sample(logits, **one, check=False, every_row=None if mode == "any" else mode)
         # the key of the row's second draw, set now: the steps that ran over the row while it
         # prefilled advanced its seed too
         self._seed[row] = _wrap64(seed + SEED_STEP)
@@ -407,15 +432,16 @@ class Model:
         self._seq_lens[row] = 1
 
     # ------------------------------------------------------------------ for benchmarks and tools
-    def decode_graph(self, batch_size: int, greedy: bool = True) -> torch.cuda.CUDAGraph:
-        """The CUDA graph of one decode step at ``batch_size`` rows (all greedy or not, no logprobs),
-        captured by an earlier ``warmup`` / ``generate``: what ``ember bench`` replays to time the step
-        the engine runs. A documented internal API (a ``KeyError`` naming the missing capture otherwise)."""
+    def decode_graph(self, batch_size: int, mode: str = "greedy") -> torch.cuda.CUDAGraph:
+        """The CUDA graph of one decode step at ``batch_size`` rows sampling by ``mode`` (one of
+        ``SAMPLING_MODES``, no logprobs), captured by an earlier ``warmup`` / ``generate``: what
+        ``ember bench`` replays to time the step the engine runs. A documented internal API (a
+        ``KeyError`` naming the missing capture otherwise)."""
         try:
-            return self._graphs[(batch_size, greedy, False)]
+            return self._graphs[(batch_size, mode, False)]
         except KeyError:
             have = sorted(k[:2] for k in self._graphs if not k[2])
-            raise KeyError(f"no captured decode step for batch {batch_size}, greedy={greedy}; run "
+            raise KeyError(f"no captured decode step for batch {batch_size}, mode={mode!r}; run "
                            f"model.warmup({batch_size}) or a generate first (captured: {have})") from None
 
     def prefill_last(self, row: int, prompt: list[int]) -> torch.Tensor:
@@ -424,23 +450,26 @@ class Model:
         benchmarks (run it while no request is in flight)."""
         return self.scheduler.prefill_last(row, prompt)
 
-    def warmup(self, batch_size: int | None = None, greedy: bool | None = None) -> float:
+    def warmup(self, batch_size: int | None = None, mode: str = "greedy") -> float:
         """Get ready to decode without capturing or compiling on a request's critical path; seconds.
 
-        No arguments: everything the scheduler uses (every batch bucket's graphs, greedy or not, with
-        and without logprobs, and each prefill chunk length once). ``warmup(batch_size, greedy)``:
-        only that decode graph (``greedy`` default True: all rows greedy, the argmax step).
+        No arguments: everything the scheduler uses (every batch bucket's graphs in every sampling
+        mode, with and without logprobs, and each prefill chunk length once). ``warmup(batch_size,
+        mode)``: only that decode graph (``mode`` one of ``SAMPLING_MODES``; default "greedy": all
+        rows greedy, the argmax step).
 
         Example:
             >>> model.warmup()            # before serving
-            >>> model.warmup(8, greedy=True)
+            >>> model.warmup(8, mode="top_k")
         """
+        if mode not in SAMPLING_MODES:
+            raise ValueError(f"mode: expected one of {SAMPLING_MODES}, got {mode!r}")
         if batch_size is None:
             return self.scheduler.warmup()
-        if not self.use_cuda_graph or (batch_size, greedy is not False, False) in self._graphs:
+        if not self.use_cuda_graph or (batch_size, mode, False) in self._graphs:
             return 0.0
         t0 = time.perf_counter()
-        self.scheduler.run_in_loop(lambda: self._graph(batch_size, greedy is not False, False))
+        self.scheduler.run_in_loop(lambda: self._graph(batch_size, mode, False))
         return time.perf_counter() - t0
 
     def _prepare(self, prompts, sampling, stop):
@@ -629,20 +658,56 @@ SEED_STEP = 0x9E3779B97F4A7C15 - (1 << 64)
 
 
 def sample_step(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """One engine draw over ``logits [B, V]``: ``ember.ops.sample`` with per-row parameter tensors,
-    each row keyed by its own seed alone (no batch counter), then every seed advanced by SEED_STEP for
-    the row's next draw. The decode graph runs exactly this; ``ember bench sampling`` times it.
+                min_p: torch.Tensor, seed: torch.Tensor, every_row: str | None = None) -> torch.Tensor:
+    """One engine draw over ``logits [B, V]``: ``ember.ops.sample`` with per-row parameter tensors and
+    the batch's ``every_row`` promise (from ``sampling_mode``), each row keyed by its own seed alone
+    (no batch counter), then every seed advanced by SEED_STEP for the row's next draw. The decode
+    graph runs exactly this; ``ember bench sampling`` times it.
 
     Example:
         >>> B = 2
         >>> tok = sample_step(torch.randn(B, 100), torch.full((B,), 0.7), torch.full((B,), 50),
-        ...                   torch.full((B,), 0.9), torch.zeros(B), torch.tensor([1, 2]))
+        ...                   torch.full((B,), 0.9), torch.zeros(B), torch.tensor([1, 2]), every_row="top_k")
     """
     tok = ember.ops.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                           check=False)  # SamplingParams validated the values
+                           check=False, every_row=every_row)  # SamplingParams validated the values
     seed.add_(SEED_STEP)
     return tok
+
+
+SAMPLING_MODES = ("greedy", "temperature_only", "top_k", "any")
+# what a row that is not decoding holds under a mode's promise (its token is discarded)
+_FILLERS = {"temperature_only": SamplingParams(temperature=1.0), "top_k": SamplingParams(temperature=1.0, top_k=1)}
+
+
+def sampling_mode(s: SamplingParams, vocab: int) -> str:
+    """The decode-step class of one request's sampling (``SAMPLING_MODES``): "greedy" (temperature 0),
+    "temperature_only" (no filter on), "top_k" (0 < top_k < vocab; top-p / min-p anything) or "any".
+    A step whose rows share a class promises it to the sampler (``every_row``), which then takes the
+    kernel path scalars would select (the ``sample_engine_*`` rows of ``ember bench sampling``).
+
+    Example:
+        >>> sampling_mode(SamplingParams(temperature=0.7, top_k=50, top_p=0.9), 151936)
+        'top_k'
+    """
+    if s.temperature == 0:
+        return "greedy"
+    if 0 < s.top_k < vocab:
+        return "top_k"
+    if s.top_p >= 1.0 and s.min_p == 0.0:
+        return "temperature_only"
+    return "any"
+
+
+def batch_mode(modes) -> str:
+    """The mode of a decode step whose decoding rows have ``modes``: theirs when they agree, else "any".
+
+    Example:
+        >>> batch_mode(["top_k", "top_k"]), batch_mode(["greedy", "top_k"])
+        ('top_k', 'any')
+    """
+    modes = set(modes)
+    return modes.pop() if len(modes) == 1 else "any"
 
 
 def _wrap64(x: int) -> int:

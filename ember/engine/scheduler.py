@@ -14,8 +14,11 @@ prompt.
 
 Per-request sampling: each row has its own temperature / top-k / top-p / min-p / seed, and its own
 sampler counter (tokens drawn so far), so a seeded request draws the same tokens in any row and
-batch. A batch whose rows are all greedy takes the argmax graph; one whose requests ask for logprobs
-takes the graph variant that also computes them (the others pay nothing).
+batch. Decode graphs are keyed by the step's sampling mode (``ember.engine.sampling_mode``): all rows
+greedy takes the argmax graph; all temperature-only, or all top-k, the graph whose sampler is told so
+(``every_row``) and takes the kernel path made for it; a mix the general one. A step whose requests
+ask for logprobs takes the graph variant that also computes them (greedy or general; the others pay
+nothing).
 
 Tensor parallel (SPMD: every rank runs its own scheduler on the same submissions): what a loop
 iteration does depends only on the requests and the tokens drawn (the same on every rank, seedless
@@ -46,12 +49,15 @@ from collections.abc import AsyncIterator, Iterator
 
 import torch
 
-from ember.engine import prefill_graphs
+from ember.engine import SAMPLING_MODES, batch_mode, prefill_graphs, sampling_mode
 from ember.ops.sampling import SamplingParams
 
 __all__ = ["Scheduler", "Request", "Handle", "Event", "QueueFull", "chunk_plan"]
 
 MAX_LOGPROBS = 20
+# one request of each sampling mode: warm-up runs the first-token sampler of each
+_MODE_EXAMPLES = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                  SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0, top_p=0.9))
 _ids = itertools.count()
 _live: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
 
@@ -280,7 +286,7 @@ class _Job:
         r = handle.request
         self.handle, self.req = handle, r
         self.stop_ids = stop_ids
-        self.greedy = r.sampling.temperature == 0
+        self.mode: str | None = None       # sampling_mode of the request, set on admission
         # seeds: the model's seed source (the same sequence on every tensor-parallel rank)
         self.seed = r.sampling.seed if r.sampling.seed is not None else seeds.getrandbits(62)
         self.text = _TextState(tokenizer, r.stop_strings)
@@ -400,7 +406,7 @@ class Scheduler:
                     "slots": self.slots, "prefill_chunk": self.prefill_chunk, **self._counts}
 
     def warmup(self) -> float:
-        """Capture every decode graph the loop uses (each bucket, greedy or not, with and without
+        """Capture every decode graph the loop uses (each bucket in each sampling mode, with and without
         logprobs) and run each prefill chunk length once, so that no request captures or compiles;
         seconds. Run it while no request is in flight."""
         return self.run_in_loop(self._warmup)
@@ -535,6 +541,7 @@ class Scheduler:
             self._finish(j, Event(None, "", finish_reason="cancelled"))
         for j in admitted:
             try:
+                j.mode = sampling_mode(j.req.sampling, self.model.net.vocab_size)
                 self.model._set_row_sampling(j.slot, j.req.sampling)
             except Exception as e:
                 self._fail([j], e)
@@ -565,6 +572,7 @@ class Scheduler:
             self._prefilling.popleft()
             lp = job.req.logprobs is not None
             tok = m._first_token(job.slot, logits, job.req.sampling, job.seed, lp)
+            m._set_row_sampling(job.slot, job.req.sampling)  # again if a decode step's mode refilled the row
             m._join(job.slot, tok, len(job.req.prompt))
             job.decoding = True
             self._records.append(self._read(tok.view(1), [(0, job)], lp, slice(job.slot, job.slot + 1)))
@@ -580,10 +588,12 @@ class Scheduler:
         if not rows:
             return False
         B = next(b for b in self.buckets if b > rows[-1][0])
-        greedy = all(j.greedy for _, j in rows)
+        mode = batch_mode(j.mode for _, j in rows)
         lp = any(j.req.logprobs is not None for _, j in rows)
+        if lp and mode != "greedy":
+            mode = "any"  # logprobs steps: greedy or any (fewer graphs to capture at warm-up)
         try:
-            m._decode(B, greedy, lp)
+            m._decode(B, mode, lp)
             self._counts["decode_steps"] += 1
             self._records.append(self._read(m._tokens[:B], rows, lp, slice(0, B)))
         except Exception as e:
@@ -678,9 +688,10 @@ class Scheduler:
             return 0.0  # nothing to capture or compile on the reference path
         t0 = time.perf_counter()
         for B in self.buckets:
-            for greedy in (True, False):
-                for lp in (False, True):
-                    m._graph(B, greedy, lp)
+            for mode in SAMPLING_MODES:
+                m._graph(B, mode, False)
+            for mode in ("greedy", "any"):
+                m._graph(B, mode, True)
         # each prefill length once (Triton compiles for that length), then the first-token paths
         # of both samplers, in row 0 (free: the next request's prefill rewrites it)
         for n in chunk_sizes(self.prefill_chunk):
@@ -689,9 +700,9 @@ class Scheduler:
         if self.prefill_chunk < m.max_seq_len:  # a chunk after a cached prefix (the masked attention)
             m._prefill_chunk(0, [0], self.prefill_chunk, 1)
         prefill_graphs.capture(m, chunk_sizes(self.prefill_chunk))  # a prompt's first chunk, every length
-        for temperature in (0.0, 1.0):
+        for sampling in _MODE_EXAMPLES:  # the first token's sampler path of each mode
             for lp in (False, True):
-                m._first_token(0, logits, SamplingParams(temperature=temperature), 0, lp)
+                m._first_token(0, logits, sampling, 0, lp)
         m._release(0)
         torch.cuda.synchronize(m.device)
         return time.perf_counter() - t0

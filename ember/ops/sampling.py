@@ -110,6 +110,42 @@ def _row_param(name, v, batch, device, check):
     return v
 
 
+# every_row promises: per parameter, (test of a value, what it must be)
+_PROMISES = {
+    "temperature_only": {"temperature": (lambda v, V: v > 0, "> 0"),
+                         "top_k": (lambda v, V: (v == 0) | (v >= V), "0 or >= the vocab size (off)"),
+                         "top_p": (lambda v, V: v >= 1, "1 (off)"),
+                         "min_p": (lambda v, V: v == 0, "0 (off)")},
+    "top_k": {"temperature": (lambda v, V: v > 0, "> 0"),
+              "top_k": (lambda v, V: (v > 0) & (v < V), "in [1, vocab size)")},
+}
+
+
+def _validate_every_row(every_row, params: dict, V: int, check: bool) -> None:
+    """``every_row`` names a promise about every row's parameters; scalars are checked always, per-row
+    tensors when ``check`` (a device sync) and not capturing."""
+    if every_row is None:
+        return
+    if every_row not in _PROMISES:
+        raise ValueError(f"every_row: expected None, 'temperature_only' or 'top_k', got {every_row!r}")
+    for name, (ok, text) in _PROMISES[every_row].items():
+        v = params[name]
+        if isinstance(v, torch.Tensor):
+            if not check or _checks.capturing():
+                continue
+            good = ok(v, V)
+            if bool(good.all()):
+                continue
+            row = int((~good).nonzero()[0, 0])
+            bad = v[row].item()
+        elif ok(v, V):
+            continue
+        else:
+            row, bad = None, v
+        where = "" if row is None else f" (row {row})"
+        raise ValueError(f"every_row={every_row!r}: expected {name} {text} in every row, got {bad}{where}")
+
+
 def _validate_logits(logits, check):
     _checks.tensor("logits", logits, dtypes=_checks.FLOAT_DTYPES, ndim=2)
     B, V = logits.shape
@@ -275,7 +311,7 @@ def _argmax_impl(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out
 
 
-def _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generator):
+def _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generator, every_row=None):
     if not _dispatch.use_triton(logits):
         return sample_reference(logits, temperature, top_k, top_p, min_p, seed, offset, generator)
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -287,7 +323,7 @@ def _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generat
         seed = torch.randint(0, 1 << 62, (1,), device=logits.device, generator=generator)
     _dispatch.prepare_triton()
     from ember.kernels import sampling as kernels
-    kernels.sample(_checks.rows_2d(logits), out, temperature, top_k, top_p, min_p, seed, offset)
+    kernels.sample(_checks.rows_2d(logits), out, temperature, top_k, top_p, min_p, seed, offset, every_row)
     return out
 
 
@@ -318,12 +354,12 @@ def _(x, dim):
 
 @torch.library.custom_op("ember::sample", mutates_args=("offset",))
 def _sample_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    return _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, None)
+               min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, every_row: str) -> torch.Tensor:
+    return _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, None, every_row or None)
 
 
 @_sample_op.register_fake
-def _(logits, temperature, top_k, top_p, min_p, seed, offset):
+def _(logits, temperature, top_k, top_p, min_p, seed, offset, every_row):
     return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
 
 
@@ -385,7 +421,7 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, offset=None,
-           generator: torch.Generator | None = None, check: bool = True) -> torch.Tensor:
+           generator: torch.Generator | None = None, check: bool = True, every_row: str | None = None) -> torch.Tensor:
     """Draw one token per row of ``logits [batch, vocab]``: int64 ``[batch]``.
 
     Filters apply in the order temperature, top-k, top-p, min-p (module docstring has the exact
@@ -407,6 +443,12 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     exact search over the row by one program (H200, 128256: ~0.7 ms). Adding a top_k bound to a
     top-p setting keeps it on the fast path.
 
+    ``every_row``: what per-row tensors are known to hold, so the GPU kernel takes the path scalars
+    would select without reading them on the host: ``"temperature_only"`` (every row t > 0, top-k
+    off, top-p 1, min-p 0: the barrier-free race) or ``"top_k"`` (every row t > 0 and
+    0 < top_k < vocab: the tagged top-k path). The tokens are the same with or without it; a
+    promise the values break raises ``ValueError`` (scalars always, tensors when ``check``).
+
     Example:
         >>> seed, offset = torch.tensor([1234]), torch.zeros(1, dtype=torch.int64)
         >>> tokens = ember.ops.sample(torch.randn(4, 32000), temperature=0.7, top_k=50, top_p=0.9,
@@ -419,6 +461,8 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     top_k = _row_param("top_k", top_k, B, dev, check)
     top_p = _row_param("top_p", top_p, B, dev, check)
     min_p = _row_param("min_p", min_p, B, dev, check)
+    _validate_every_row(every_row, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+                        logits.shape[1], check)
     _validate_seed(seed, offset, dev)
     if isinstance(seed, torch.Tensor) and seed.numel() not in (1, B):
         raise ValueError(f"seed: expected 1 or {B} (logits.shape[0]) elements, got shape {tuple(seed.shape)}")
@@ -431,5 +475,5 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         offset_t = offset if isinstance(offset, torch.Tensor) else torch.tensor([offset or 0], dtype=torch.int64, device=dev)
         return _sample_op(logits, _as_tensor(temperature, B, torch.float32, dev), _as_tensor(top_k, B, torch.int64, dev),
                           _as_tensor(top_p, B, torch.float32, dev), _as_tensor(min_p, B, torch.float32, dev),
-                          seed_t, offset_t)
-    return _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generator)
+                          seed_t, offset_t, every_row or "")
+    return _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generator, every_row)

@@ -93,8 +93,10 @@ def test_a_batch_is_admitted_in_one_loop_iteration_however_slow_its_submission(c
         setattr(model, name, spy)
     assert model.generate(PROMPTS, max_new_tokens=3) == ember.load(ckpt, device="cpu", max_seq_len=64,
                                                                     max_batch_size=2).generate(PROMPTS, max_new_tokens=3)
-    assert calls[:4] == [("_set_row_sampling", 0), ("_set_row_sampling", 1), ("_prefill_chunk", 0),
-                         ("_prefill_chunk", 1)], calls
+    # both rows admitted (their parameters set) before the first prefill; each row's join sets them
+    # again (a no-op unless a decode step refilled the row)
+    assert calls[:3] == [("_set_row_sampling", 0), ("_set_row_sampling", 1), ("_prefill_chunk", 0)], calls
+    assert [c for c in calls if c[0] == "_prefill_chunk"][:2] == [("_prefill_chunk", 0), ("_prefill_chunk", 1)]
 
 
 def test_generate_when_a_row_stops_at_its_first_draw(ids_ckpt):

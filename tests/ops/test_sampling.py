@@ -429,3 +429,53 @@ def test_per_row_seed_draw_does_not_depend_on_the_row(mode, request):
     # independent draws over these ~400 tokens give <= 4 distinct with probability < 1e-9)
     same = ember.ops.sample(x.expand(16, 500).contiguous(), **mix, seed=5)
     assert len(set(same.tolist())) > 4
+
+
+# ------------------------------------------------------------------ every_row: the caller's promise
+_T = torch.tensor
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(every_row="top_p"), "every_row: expected None, 'temperature_only' or 'top_k', got 'top_p'"),
+    (dict(every_row="top_k", top_k=0), r"every_row='top_k': expected top_k in \[1, vocab size\) in every row, got 0$"),
+    (dict(every_row="top_k", top_k=8), r"top_k in \[1, vocab size\) in every row, got 8$"),  # 8 = the vocab: off
+    (dict(every_row="top_k", temperature=0.0, top_k=3), "expected temperature > 0 in every row, got 0.0$"),
+    (dict(every_row="temperature_only", top_p=0.9), r"expected top_p 1 \(off\) in every row, got 0.9$"),
+    (dict(every_row="temperature_only", min_p=0.1), r"expected min_p 0 \(off\) in every row, got 0.1$"),
+    (dict(every_row="temperature_only", top_k=_T([0, 4])), r"top_k 0 or >= the vocab size \(off\) in every row, "
+                                                            r"got 4 \(row 1\)"),
+    (dict(every_row="top_k", temperature=_T([0.5, 0.0]), top_k=2), r"temperature > 0 in every row, got 0.0 \(row 1\)"),
+])
+def test_every_row_promise_broken_is_named(kw, words):
+    """A promise the parameters break is refused, naming the parameter, the value and the row."""
+    with pytest.raises(ValueError, match=words):
+        ember.ops.sample(_x(), **kw)
+
+
+def test_every_row_tensor_promise_is_checked_only_with_check():
+    """check=False trusts the promise for tensors (no device sync, as the engine calls it); scalars
+    are always checked."""
+    x = _x()
+    assert ember.ops.sample(x, temperature=_T([0.0, 1.0]), top_k=_T([2, 2]), every_row="top_k",
+                            check=False).shape == (2,)
+    with pytest.raises(ValueError, match="top_k"):
+        ember.ops.sample(x, temperature=1.0, top_k=0, every_row="top_k", check=False)
+
+
+@pytest.mark.parametrize("mode", ["reference", "interpreter"])
+@pytest.mark.parametrize("every_row, mix", [
+    ("top_k", dict(temperature=_T([0.7, 1.3, 0.9]), top_k=_T([5, 40, 1]), top_p=_T([0.9, 1.0, 0.5]))),
+    ("temperature_only", dict(temperature=_T([0.7, 1.3, 2.0]), top_k=_T([0, 500, 0]))),
+])
+def test_every_row_promise_kept_draws_the_same_tokens(mode, every_row, mix, request):
+    """A kept promise changes which kernel path runs (on the GPU), never the tokens: the same seeds
+    and offset give the same draws as the call without it (GPU: test_gpu_sample_every_row_...)."""
+    if mode == "interpreter":
+        request.getfixturevalue("interpreter")
+    g = torch.Generator().manual_seed(11)
+    for i in range(4):
+        x = torch.randn(3, 500, generator=g) * (1 + i)
+        seeds = _T([3, 4, 5]) + i
+        plain = ember.ops.sample(x, **mix, seed=seeds, offset=torch.full((1,), i))
+        promised = ember.ops.sample(x, **mix, seed=seeds, offset=torch.full((1,), i), every_row=every_row)
+        assert torch.equal(plain, promised), (i, plain, promised)

@@ -789,6 +789,20 @@ def test_topk_tagged_is_known_only_from_scalars():
     assert not k.topk_tagged(0.7, torch.full((2,), 50), V)
 
 
+def test_every_row_promise_selects_the_paths_scalars_would():
+    """Per-row tensors with the caller's promise (``ember.ops.sample(every_row=...)``) take the paths
+    the equivalent scalars take: the barrier-free race, the tagged top-k words, no waves."""
+    k = _k()
+    V = 128256
+    t, top_k, p = torch.full((2,), 0.7), torch.full((2,), 50), torch.full((2,), 0.9)
+    assert k.temperature_alone(t, torch.zeros(2, dtype=torch.int64), torch.ones(2), torch.zeros(2), V,
+                               "temperature_only")
+    assert not k.temperature_alone(t, top_k, p, torch.zeros(2), V, "top_k")
+    assert k.topk_tagged(t, top_k, V, "top_k") and not k.topk_tagged(t, top_k, V, "temperature_only")
+    assert k.waves_pay(t, top_k, p, V) and not k.waves_pay(t, top_k, p, V, "top_k")
+    assert not k.waves_pay(t, 0, 1.0, V, "temperature_only")
+
+
 def test_waves_pay_unless_the_scalars_rule_out_top_p_alone():
     k = _k()
     V = 128256
@@ -1108,3 +1122,37 @@ def test_gpu_sample_few_rows_one_launch_equals_two_launches(cuda, monkeypatch, B
     torch.cuda.synchronize()
     _assert_workspace_clean(_grid()._WORKSPACES[("cuda", x.device.index)])
     assert k.barrier_give_ups(x.device) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 40])
+@pytest.mark.parametrize("every_row", ["temperature_only", "top_k"])
+def test_gpu_sample_every_row_promise_same_tokens(cuda, monkeypatch, B, every_row):
+    """Per-row tensors with the promise take the specialised path (the barrier-free race / the tagged
+    top-k words at 1 and 8 rows) and draw the same tokens as without it and as the two launches, for
+    the same per-row seeds and offset."""
+    k = _k()
+    from ember.kernels.sampling import sampler
+    taken = []
+    for name in ("temperature_alone", "topk_tagged"):
+        real = getattr(sampler, name)
+        monkeypatch.setattr(sampler, name, lambda *a, _real=real, _name=name: taken.append((_name, _real(*a)))
+                            or _real(*a))
+    g = torch.Generator(device=cuda).manual_seed(B)
+    t = 0.5 + torch.rand(B, device=cuda, generator=g)
+    if every_row == "top_k":
+        mix = dict(temperature=t, top_k=torch.randint(1, 120, (B,), device=cuda, generator=g),
+                   top_p=0.5 + 0.5 * torch.rand(B, device=cuda, generator=g))
+    else:
+        mix = dict(temperature=t, top_k=torch.zeros(B, dtype=torch.int64, device=cuda))
+    seeds = torch.arange(B, device=cuda) * 7 + 1
+    for i in range(5):
+        x = torch.randn(B, 128256, device=cuda, generator=g) * (1 + i % 3)
+        offs = [torch.full((1,), i, dtype=torch.int64, device=cuda) for _ in range(3)]
+        promised = ember.ops.sample(x, **mix, seed=seeds, offset=offs[0], every_row=every_row)
+        plain = ember.ops.sample(x, **mix, seed=seeds, offset=offs[1])
+        two = _sample_two_launch(x, **mix, seed=seeds, offset=offs[2])
+        assert torch.equal(promised, plain) and torch.equal(promised, two), (i, promised, plain, two)
+    want = "temperature_alone" if every_row == "temperature_only" else "topk_tagged"
+    if B <= 8:  # one launch (40 rows: two launches, as for these scalars)
+        assert (want, True) in taken, taken

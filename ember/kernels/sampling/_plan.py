@@ -199,30 +199,38 @@ def _scalar(v) -> bool:
     return not isinstance(v, torch.Tensor)
 
 
-def waves_pay(temperature, top_k, top_p, V: int) -> bool:
+def waves_pay(temperature, top_k, top_p, V: int, every_row: str | None = None) -> bool:
     """Whether rows beyond what one launch fits take the persistent waves: unless the scalar
-    parameters rule out top-p alone (top_k >= V is off). H200, [32, 128256]
+    parameters (or the caller's ``every_row`` promise, which rules out top-p alone either way) rule
+    out top-p alone (top_k >= V is off). H200, [32, 128256]
     (many_rows_sample_probe.json): top-p alone 175 vs 1761 us for the two launches (whose row's
     last program bisects a wide nucleus alone), but k50 + p0.9 59 vs 51 us and greedy 23 vs 14:
     per-row tensors (unknown to the host) take the waves, the cheaper miss."""
+    if every_row is not None:
+        return False
     return not ((_scalar(temperature) and temperature == 0.0) or (_scalar(top_k) and 0 < top_k < V)
                 or (_scalar(top_p) and top_p >= 1.0))
 
 
-def topk_tagged(temperature, top_k, V: int) -> bool:
-    """Whether every row of a one-launch (not waves) sample takes top-k, known from the scalars: t > 0
-    and 0 < k < V (top-p and min-p may be anything, per-row too). Such a launch takes the tagged-word
+def topk_tagged(temperature, top_k, V: int, every_row: str | None = None) -> bool:
+    """Whether every row of a one-launch (not waves) sample takes top-k, known from the scalars (t > 0
+    and 0 < k < V; top-p and min-p may be anything, per-row too) or promised by the caller
+    (``every_row="top_k"``, as the engine derives it from its requests' SamplingParams). Such a launch takes the tagged-word
     path (``_topk_tagged_row``): H200 [1, 128256] k 50 + p 0.9 6.66 us, 7.80 with ``_topk_sample``'s
     acq_rel atomics (sample_tagged_probe.json)."""
+    if every_row == "top_k":
+        return True
     if not (_scalar(temperature) and _scalar(top_k)):
         return False
     return temperature > 0.0 and 0 < top_k < V
 
 
-def temperature_alone(temperature, top_k, top_p, min_p, V: int) -> bool:
+def temperature_alone(temperature, top_k, top_p, min_p, V: int, every_row: str | None = None) -> bool:
     """Whether every row samples by temperature alone (scalars: t > 0, top-k off (0 or >= V), top-p 1,
-    min-p 0): the one-launch sampler then races without its barrier (``_free_race_row``; H200
+    min-p 0; or the caller's ``every_row="temperature_only"`` promise): the one-launch sampler then races without its barrier (``_free_race_row``; H200
     [1, 128256]: 4.41 vs 6.19 us with the barrier, sample_free_race.json)."""
+    if every_row == "temperature_only":
+        return True
     if not all(_scalar(v) for v in (temperature, top_k, top_p, min_p)):
         return False
     return temperature > 0.0 and (top_k == 0 or top_k >= V) and top_p >= 1.0 and min_p == 0.0

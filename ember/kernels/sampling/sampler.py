@@ -83,8 +83,11 @@ def _sampling_args(temperature, top_k, top_p, min_p, seed, dummy: torch.Tensor) 
     return args, dict(flags, SEED_MODE=seed_mode)
 
 
-def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset) -> None:
-    """One token per row into int64 ``out``; parameters are Python scalars or per-row tensors (validated).
+def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset,
+           every_row: str | None = None) -> None:
+    """One token per row into int64 ``out``; parameters are Python scalars or per-row tensors (validated);
+    ``every_row`` ("temperature_only", "top_k" or None) what the per-row tensors are known to hold
+    (``ember.ops.sample``), which selects the specialised one-launch paths as scalars would.
 
     ``seed`` is an int or an int64 tensor of 1 or ``rows`` elements; ``offset`` an int, None, or a
     one-element int64 tensor that each call advances by one. Long rows on a GPU take one launch
@@ -96,12 +99,14 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
         mc = min_chunk(x2.device)
         fit = fit_split(B, V, _device_sms(x2), mc)
         if fit is not None:
-            sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=fit[0])
+            sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=fit[0],
+                              every_row=every_row)
             return
-        plan = wave_rows_plan(B, V, _device_sms(x2), mc) if waves_pay(temperature, top_k, top_p, V) else None
+        pays = waves_pay(temperature, top_k, top_p, V, every_row)
+        plan = wave_rows_plan(B, V, _device_sms(x2), mc) if pays else None
         if plan is not None:
             sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=plan[0],
-                              rows_per_wave=plan[1])
+                              rows_per_wave=plan[1], every_row=every_row)
             return
     sample_two_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset)
 
@@ -134,7 +139,8 @@ def sample_two_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
 
 
 def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset,
-                      spin_cap: int = SPIN_CAP, chunk: int | None = None, rows_per_wave: int | None = None) -> None:
+                      spin_cap: int = SPIN_CAP, chunk: int | None = None, rows_per_wave: int | None = None,
+                      every_row: str | None = None) -> None:
     """``sample`` as one grid-barrier launch (``_sample_one_launch_kernel``); the caller guarantees that
     all B * P programs are resident at once (``sample`` takes it when ``fit_split`` finds chunks with
     B * P <= SM count on a GPU: one row of 128256 as 126 programs of 1024, 8 rows as 8 x 16 of 8192).
@@ -172,9 +178,9 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     round_barriers = row_barriers[1:]
     has_off = isinstance(offset, torch.Tensor)
     args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
-    topk_on = isinstance(top_k, torch.Tensor) or 0 < top_k < V
-    free = temperature_alone(temperature, top_k, top_p, min_p, V)
-    tagged = G == B and topk_tagged(temperature, top_k, V)
+    topk_on = every_row != "temperature_only" and (isinstance(top_k, torch.Tensor) or 0 < top_k < V)
+    free = temperature_alone(temperature, top_k, top_p, min_p, V, every_row)
+    tagged = G == B and topk_tagged(temperature, top_k, V, every_row)
     grid_slots = _tagged_slots(ws, B, "grid") if tagged else None
     _sample_one_launch_kernel[(G, P)](
         x2, x2.stride(0), B, G, V, P, G * P, part[0], part[1], part[2].view(torch.int32), piece_max, slots, out,

@@ -684,7 +684,10 @@ def sampling_mode(s: SamplingParams, vocab: int) -> str:
     """The decode-step class of one request's sampling (``SAMPLING_MODES``): "greedy" (temperature 0),
     "temperature_only" (no filter on), "top_k" (0 < top_k < vocab; top-p / min-p anything) or "any".
     A step whose rows share a class promises it to the sampler (``every_row``), which then takes the
-    kernel path scalars would select (the ``sample_engine_*`` rows of ``ember bench sampling``).
+    kernel path scalars would select. H100 [1, 128256] (bench/results/h100/sampling_engine_probe.json):
+    the draw with the promise is as fast as with scalars (top-k 50 + top-p 0.9 6.52 vs 6.52 us,
+    temperature alone 4.10 vs 4.08); the engine's draw with its seed advance 8.0 vs 10.6 us without
+    the promise, 6.6 vs 9.5 us.
 
     Example:
         >>> sampling_mode(SamplingParams(temperature=0.7, top_k=50, top_p=0.9), 151936)

@@ -210,6 +210,7 @@ class Model:
         self._mode, self._logprobs = "greedy", False  # what _step computes (baked into a capture)
         # per row, the SamplingParams its parameter tensors hold (a request's, or a _conform_rows filler)
         self._row_params: list[SamplingParams] = [SamplingParams(temperature=0.0)] * B
+        self._row_modes: list[str] = ["greedy"] * B  # sampling_mode of each row's _row_params
         self._argmax_fn = None
         self.use_cuda_graph = dev.type == "cuda"
         self.capture_s = 0.0  # seconds spent capturing decode and prefill graphs so far
@@ -358,9 +359,9 @@ class Model:
         and ``_set_row_sampling`` puts its request's parameters back when it joins."""
         if mode not in ("temperature_only", "top_k"):
             return  # argmax reads no parameters; "any" takes every value
-        V = self.net.vocab_size
+        modes = self._row_modes
         for row in range(B):
-            if sampling_mode(self._row_params[row], V) != mode:
+            if modes[row] != mode:
                 self._set_row_sampling(row, _FILLERS[mode])
 
     # ------------------------------------------------------------------ one cache row (slot)
@@ -384,6 +385,7 @@ class Model:
         if self._row_params[row] is s:
             return
         self._row_params[row] = s
+        self._row_modes[row] = sampling_mode(s, self.net.vocab_size)
         self._temperature[row] = float(s.temperature)
         self._top_k[row] = int(s.top_k)
         self._top_p[row] = float(s.top_p)

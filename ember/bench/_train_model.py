@@ -12,12 +12,14 @@
   (+ embeddings, norm, 151936-token lm_head), random weights built on the GPU with one seed, batch 1 x
   4096 tokens, full fine-tuning with fused AdamW; stock transformers, ember (``ember.train.patch``) and
   stock + Liger-Kernel (``apply_liger_kernel_to_qwen3_moe``, which patches transformers' classes, so
-  it runs last). Per setup: tok/s over steps 10-50, peak GB, the fraction of the step's FLOP bound,
+  it runs last). Per setup: tok/s over steps 10-50 and how a step splits into forward, backward and
+  the optimizer (``forward_ms`` / ``backward_ms`` / ``optimizer_ms``), peak GB, the fraction of the step's FLOP bound,
   the loss after 50 steps (same data), and the longest sequence it trains at batch 1 (doubling from
   4096 while a step fits, bounded in time).
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -150,6 +152,21 @@ def _fits(model, opt, S, vocab, dev) -> bool:
             torch.cuda.empty_cache()
 
 
+def _marker(cuda: bool):
+    """A function that marks a point in the step: a recorded CUDA event, or the wall clock on CPU."""
+    def mark():
+        if not cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+    return mark
+
+
+def _elapsed_ms(a, b) -> float:
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
 def _train(ctx, cfg, setup, S, steps, timed_from, search_s):
     dev = ctx.device
     dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
@@ -164,18 +181,25 @@ def _train(ctx, cfg, setup, S, steps, timed_from, search_s):
     weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     g = torch.Generator(device="cpu").manual_seed(1234)
     data = [torch.randint(0, cfg.vocab_size, (1, S), generator=g) for _ in range(steps)]
-    losses, t0 = [], None
+    losses, t0, marks = [], None, []
     for i, ids in enumerate(data):
         if i == timed_from:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+        mark = _marker(cuda) if i >= timed_from else (lambda: None)
         ids = ids.to(dev)
+        m = [mark()]
         loss = model(input_ids=ids, labels=ids).loss
+        m.append(mark())
         loss.backward()
+        m.append(mark())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        m.append(mark())
         losses.append(loss.detach())
+        if i >= timed_from:
+            marks.append(m)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -189,6 +213,10 @@ def _train(ctx, cfg, setup, S, steps, timed_from, search_s):
     out = {"tok_s": tok_s, "peak_gb": peak, "params_and_adamw_states_gb": 3 * weights_gb,
            "with_grads_gb": 4 * weights_gb, "loss_curve": [round(v.item(), 4) for v in losses],
            "final_loss": losses[-1].item(), "longest_seq_b1": longest,
+           # where a timed step goes (mean over the timed steps, so the parts add up to the step that
+           # tok_s counts, less the host's time between steps; CUDA events on the GPU)
+           **{f"{part}_ms": statistics.fmean(_elapsed_ms(m[j], m[j + 1]) for m in marks)
+              for j, part in enumerate(("forward", "backward", "optimizer"))},
            "fraction_of_flop_bound": _step_flops(cfg, S) * (steps - timed_from) / seconds / PEAK_FLOPS}
     del model, opt
     return out

@@ -11,6 +11,10 @@ distribution)`` (times the softcap's derivative) in the input dtype; then ``grad
 is one cuBLAS GEMM straight into grad_W (its K = N reduction is inside the GEMM: no atomics, no
 float32 [V, H] buffer) and ``grad_x += g @ W[chunk]`` is ``mm_accumulate`` into one float32 [N, H]
 accumulator (cuBLAS cannot add a bf16 product into a float32 output on every torch we support).
+
+Tiles per kernel (``lse``, ``grad``, ``mm``) and dtype: ``ember.tuning.lookup("cross_entropy",
+"<kernel>:<bf16|fp16|fp32>", device)`` (``ember tune cross_entropy`` sweeps them on a GPU), else the
+rule in ``_rule_tiles``.
 """
 from __future__ import annotations
 
@@ -18,7 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ember import tuning
 from ember.kernels._common import round_to
+
+FAMILY = "cross_entropy"
+KERNELS = ("lse", "grad", "mm")
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @triton.jit
@@ -134,15 +143,34 @@ def _mm_accumulate_kernel(a_ptr, b_ptr, c_ptr, M, Nn, K, sam, sbk, scm, PREC: tl
 
 
 # ----------------------------------------------------------------------------- launch helpers
-def _tiles(t: torch.Tensor) -> dict:
-    """Tile sizes: Hopper-sized on the GPU for bf16 / fp16 (128x128 wgmma tiles, 64-deep K steps, 3
+def tile_key(kernel: str, dtype: torch.dtype) -> str:
+    """The tuning key of ``kernel``'s tiles for ``dtype`` inputs, e.g. ``"lse:bf16"``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    return f"{kernel}:{_DTYPE_NAMES[dtype]}"
+
+
+def _rule_tiles(dtype: torch.dtype) -> dict:
+    """Without tuning data: Hopper-sized for bf16 / fp16 (128x128 wgmma tiles, 64-deep K steps, 3
     stages: 96 KB of shared memory), halved for float32 (its ieee dot runs on the FMA units and its
-    operands take twice the shared memory); small under the interpreter (its cost is per element of
-    every tile, masked or not). Untuned: the first H200 run of ``ember bench train`` says more."""
+    operands take twice the shared memory)."""
+    if dtype == torch.float32:
+        return dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=2)
+    return dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+def gpu_tiles(kernel: str, dtype: torch.dtype, device) -> dict:
+    """``kernel``'s tiles on a GPU (a ``torch.device`` or ``tuning.DeviceInfo``): the tuning entry, else
+    the rule."""
+    entry = tuning.lookup(FAMILY, tile_key(kernel, dtype), device)
+    return dict(entry) if entry else _rule_tiles(dtype)
+
+
+def _tiles(t: torch.Tensor, kernel: str) -> dict:
+    """The launch tiles of ``kernel`` for ``t``'s dtype and device: small under the interpreter (its
+    cost is per element of every tile, masked or not)."""
     if t.device.type == "cuda":
-        if t.dtype == torch.float32:
-            return dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=2)
-        return dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+        return gpu_tiles(kernel, t.dtype, t.device)
     return dict(BM=16, BN=32, BK=32)
 
 
@@ -164,7 +192,7 @@ def lse_partials(x2, weight, bias, target, softcap, smooth: bool):
     each [S, N] float32 (sum of logits only with ``smooth``)."""
     N, H = x2.shape
     V = weight.shape[0]
-    cfg = _tiles(x2)
+    cfg = _tiles(x2, "lse")
     BM, BN = cfg["BM"], cfg["BN"]
     row_blocks, n_tiles = triton.cdiv(N, BM), triton.cdiv(V, BN)
     # enough (row block, vocab split) programs for ~16 per SM, so the last wave is a small tail
@@ -186,7 +214,7 @@ def grad_logits(x2, weight, bias, target, lse, scale, softcap, on_target: float,
     N, H = x2.shape
     V = weight.shape[0]
     Vc = g.shape[1]
-    cfg = _tiles(x2)
+    cfg = _tiles(x2, "grad")
     grid = (triton.cdiv(N, cfg["BM"]), triton.cdiv(Vc, cfg["BN"]))
     _grad_logits_kernel[grid](
         x2, weight, bias if bias is not None else weight, target, lse, scale, g,
@@ -199,7 +227,7 @@ def mm_accumulate(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     """``c += a @ b`` with float32 ``c``, products accumulated in float32."""
     M, K = a.shape
     Nn = b.shape[1]
-    cfg = _tiles(a)
+    cfg = _tiles(a, "mm")
     grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(Nn, cfg["BN"]))
     _mm_accumulate_kernel[grid](a, b, c, M, Nn, K, a.stride(0), b.stride(0), c.stride(0),
                                 PREC=_precision(a), **cfg)

@@ -26,12 +26,14 @@ from ember import tuning
 @dataclasses.dataclass
 class Tunable:
     """One family's sweep: ``keys`` (defaults), ``candidates(key)``, and ``make_calls(key, device)`` ->
-    (calls over rotated inputs, check) where ``check()`` runs one call and raises if its output is wrong."""
+    (calls over rotated inputs, check) where ``check()`` runs one call and raises if its output is wrong;
+    ``timer`` (default: 20 calls a graph, 25 replays) for families whose calls take milliseconds."""
     family: str
     doc: str
     keys: Sequence[str]
     candidates: Callable[[str], list[dict]]
     make_calls: Callable[[str, torch.device], tuple[list[Callable[[], object]], Callable[[], None]]]
+    timer: Callable[[list], float] | None = None
 
 
 TUNABLES: dict[str, Tunable] = {}
@@ -43,12 +45,16 @@ def register(t: Tunable) -> Tunable:
 
 
 def _graph_timer(calls) -> float:
+    return _timing_graph(calls)
+
+
+def _timing_graph(calls, **kw) -> float:
     from ember.bench import _timing
-    return _timing.graph_time_us(calls)
+    return _timing.graph_time_us(calls, **kw)
 
 
 def tune(family: str, device: torch.device, *, keys: Sequence[str] | None = None,
-         timer: Callable[[list], float] = _graph_timer, write: bool = True,
+         timer: Callable[[list], float] | None = None, write: bool = True,
          progress: Callable[[str], None] = lambda msg: None) -> dict:
     """Sweep ``family`` on ``device``; returns ``{key: {"best", "best_us", "current_us", "tried",
     "failed"}}`` and (``write``) caches each key's winner where it beats what runs today. ``current_us`` is what the kernels ran
@@ -56,6 +62,7 @@ def tune(family: str, device: torch.device, *, keys: Sequence[str] | None = None
     if family not in TUNABLES:
         raise ValueError(f"family: expected one of {', '.join(sorted(TUNABLES))}, got {family!r}")
     t = TUNABLES[family]
+    timer = timer or t.timer or _graph_timer
     info = tuning.device_info(device)
     if info is None:
         raise ValueError(f"device: `ember tune` times kernels on a CUDA GPU, got {device}")
@@ -141,3 +148,97 @@ register(Tunable(
     family="gemv", doc="the one-row projection GEMV (batch-1 decode): bf16 / fp16 / fp32 and fp8 weights",
     keys=("bf16:5120x2048", "bf16:2048x4096", "fp8:5120x2048", "fp8:2048x4096"),
     candidates=_gemv_candidates, make_calls=_gemv_calls))
+
+
+# ----------------------------------------------------------------------------- cross_entropy
+# the shape `ember bench train` times (tokens x hidden x vocab: Qwen3's 151,936-token vocabulary)
+CE_SHAPE = (8192, 2048, 151936)
+CE_CHECK_ROWS = 128  # rows the correctness check compares against torch (the whole [N, V] would be 5 GB)
+_CE_SMEM_BYTES = 200 << 10  # Hopper's 227 KB a block, less the kernel's own
+
+
+def parse_ce_key(key: str) -> tuple[str, torch.dtype]:
+    """``"lse:bf16"`` -> ("lse", torch.bfloat16): the kernel (lse, grad, mm) and the input dtype."""
+    kernel, _, dt = key.partition(":")
+    if kernel not in ("lse", "grad", "mm") or dt not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"cross_entropy key: expected '<lse|grad|mm>:<bf16|fp16|fp32>', got {key!r}")
+    return kernel, _DTYPES[dt]
+
+
+def _ce_candidates(key: str) -> list[dict]:
+    """Tiles whose operand stages fit shared memory (the rest would not compile)."""
+    _, dtype = parse_ce_key(key)
+    out = []
+    for bm, bn, bk, w, st in itertools.product((64, 128), (64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)):
+        if (bm + bn) * bk * dtype.itemsize * st <= _CE_SMEM_BYTES:
+            out.append(dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st))
+    return out
+
+
+def _ce_calls(key: str, device: torch.device):
+    """One kernel of ``ember.ops.linear_cross_entropy`` at ``CE_SHAPE`` (the backward's kernels on one
+    1,024-column vocab chunk, as the op runs them), and a check of its first ``CE_CHECK_ROWS`` rows
+    against torch in float32."""
+    from ember import _dispatch
+    _dispatch.prepare_triton()
+    from ember.kernels import cross_entropy as k
+    kernel, dtype = parse_ce_key(key)
+    N, H, V = CE_SHAPE
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(N, H, device=device, generator=g).to(dtype)
+    w = (torch.randn(V, H, device=device, generator=g) * H ** -0.5).to(dtype)
+    r, vc = min(CE_CHECK_ROWS, N), min(1024, V)
+    t = torch.randint(0, V, (N,), device=device, generator=g)
+    t[:r] = torch.randint(0, vc, (r,), device=device, generator=g)  # the checked rows' targets in the chunk
+    logits = x[:r].float() @ w.float().T  # [r, V] float32
+    lse_ref = torch.logsumexp(logits, dim=-1)
+    # the kernels see the same rounded inputs and accumulate in float32: only the order differs
+    if kernel == "lse":
+        def run():
+            return k.lse_partials(x, w, None, t, None, False)
+
+        def check():
+            m, s, _, _ = run()
+            mx = m.max(dim=0).values
+            lse = mx + torch.log((s * torch.exp(m - mx)).sum(dim=0))
+            if not torch.allclose(lse[:r], lse_ref, atol=1e-3, rtol=1e-4):
+                raise ValueError(f"{key}: wrong logsumexp under this tile")
+        return [run], check
+    lse = torch.zeros(N, device=device)
+    lse[:r] = lse_ref
+    scale = torch.ones(N, device=device)
+    grad = torch.empty(N, vc, dtype=dtype, device=device)
+    if kernel == "grad":
+        def run():
+            k.grad_logits(x, w, None, t, lse, scale, None, 1.0, 0.0, 0, grad)
+
+        def check():
+            run()
+            # softmax - one-hot(target) over the chunk's columns, rounded to the input dtype by the kernel
+            want = torch.exp(logits[:, :vc] - lse_ref[:, None])
+            want -= (t[:r, None] == torch.arange(vc, device=device)).float()
+            if not torch.allclose(grad[:r].float(), want, atol=1e-4, rtol=1e-2):
+                raise ValueError(f"{key}: wrong logits gradient under this tile")
+        return [run], check
+    grad.copy_((torch.randn(N, vc, device=device, generator=g) * 1e-2).to(dtype))
+    acc = torch.zeros(N, H, device=device)
+
+    def run():
+        k.mm_accumulate(grad, w[:vc], acc)
+
+    def check():
+        acc.zero_()
+        run()
+        want = grad[:r].float() @ w[:vc].float()
+        if not torch.allclose(acc[:r], want, atol=1e-5, rtol=1e-3):
+            raise ValueError(f"{key}: wrong product under this tile")
+    return [run], check
+
+
+register(Tunable(
+    family="cross_entropy",
+    doc="the fused linear + cross-entropy's kernels (forward logsumexp, logits gradient, grad_x product)",
+    keys=("lse:bf16", "grad:bf16", "mm:bf16"), candidates=_ce_candidates, make_calls=_ce_calls,
+    # the forward at CE_SHAPE takes ~12 ms a call: 2 calls a graph, 5 replays keep the sweep of ~100
+    # tiles a key within minutes (compiles dominate)
+    timer=lambda calls: _timing_graph(calls, replays=5, calls_per_graph=2)))

@@ -150,3 +150,48 @@ def test_cli_tune_lists_families_and_refuses_without_a_gpu():
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
     r = run("nosuch")
     assert r.returncode == 2 and "unknown family 'nosuch'" in r.stderr
+
+
+def test_cross_entropy_keys_candidates_and_tiles():
+    """The fused loss's tiles are tuning data: the rule without an entry, an entry where one exists;
+    the sweep's candidates fit shared memory and include the rule's tiles."""
+    from ember.kernels import cross_entropy as ce
+    assert tuner.parse_ce_key("grad:bf16") == ("grad", torch.bfloat16)
+    for bad in ("lse", "dot:bf16", "mm:int8", "bf16:lse"):
+        with pytest.raises(ValueError, match="cross_entropy key"):
+            tuner.parse_ce_key(bad)
+    rule = ce.gpu_tiles("lse", torch.bfloat16, H200)
+    assert rule == dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+    cands = tuner._ce_candidates("lse:bf16")
+    assert rule in cands and all((c["BM"] + c["BN"]) * c["BK"] * 2 * c["num_stages"] <= 200 << 10 for c in cands)
+    tile = dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3)
+    with tuning.override("cross_entropy", {"mm:bf16": tile}):
+        assert ce.gpu_tiles("mm", torch.bfloat16, H200) == tile
+        assert ce.gpu_tiles("lse", torch.bfloat16, H200) == rule
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        ce.tile_key("fwd", torch.bfloat16)
+
+
+@pytest.mark.parametrize("key", ["lse:fp32", "grad:fp32", "mm:fp32"])
+def test_cross_entropy_sweep_checks_catch_a_wrong_kernel(key, interpreter, monkeypatch):
+    """Each kernel's sweep check passes for the kernel as it is (small shape, through the interpreter)
+    and refuses an output the tile got wrong."""
+    monkeypatch.setattr(tuner, "CE_SHAPE", (48, 32, 1300))
+    monkeypatch.setattr(tuner, "CE_CHECK_ROWS", 16)
+    calls, check = tuner._ce_calls(key, torch.device("cpu"))
+    check()
+    assert len(calls) == 1
+    from ember.kernels import cross_entropy as ce
+    kernel = {"lse": "lse_partials", "grad": "grad_logits", "mm": "mm_accumulate"}[key.split(":")[0]]
+    real = getattr(ce, kernel)
+
+    def wrong(*a):
+        out = real(*a)
+        if out is not None:                        # lse: (max, sum, ...) partials
+            out[1].mul_(1.01)
+        else:                                      # grad / mm write into their last argument
+            a[-1][0, 0] += 0.5
+        return out
+    monkeypatch.setattr(ce, kernel, wrong)
+    with pytest.raises(ValueError, match="under this tile"):
+        check()

@@ -1,0 +1,95 @@
+"""Warm-up to the first token, cold and warm, for the bf16 b1 row of ``ember bench moe``.
+
+Each measurement is a fresh process (``python -m ember.bench._first_token``), so nothing compiled
+earlier in the suite's process helps it: the process builds Qwen3-30B-A3B with random weights (not
+timed: no checkpoint is read), then times ``model.warmup()`` plus the first request's first token
+(``generate`` of one new token) by the wall clock. Two runs share one fresh ``TRITON_CACHE_DIR``:
+the first compiles every kernel variant into the empty cache (``cold``), the second finds them there
+(``warm``). Each run also reports what its Triton compiles took (the time between Triton's
+``jit_cache_hook`` and ``jit_post_compile_hook`` per kernel variant: compiling, or reading the
+on-disk cache when it is warm), the slowest variants by name, and the seconds spent capturing CUDA
+graphs (``Model.capture_s``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _compile_timer():
+    """Install Triton hooks that time each kernel variant's compile; returns the list they fill with
+    (kernel name, seconds) and a function that removes them."""
+    from triton import knobs
+    done, started = [], {}
+
+    def pre(*, repr, **_):
+        started[repr] = time.perf_counter()
+        return False  # never skip the compile
+
+    def post(*, repr, **_):
+        t0 = started.pop(repr, None)
+        if t0 is not None:
+            done.append((repr.split("[", 1)[0], time.perf_counter() - t0))
+
+    old = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = pre, post
+
+    def remove():
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
+    return done, remove
+
+
+def measure(quick: bool, device: torch.device, prompt_len: int, max_seq_len: int) -> dict:
+    """In this process: build the model, then time warm-up + the first token (see the module doc)."""
+    from ember.bench.moe import ember_from_hf, make_hf
+    hf, cfg = make_hf(quick, device)
+    model = ember_from_hf(hf, cfg, max_seq_len=max_seq_len)
+    del hf
+    cuda = device.type == "cuda"
+    compiles, remove = _compile_timer() if cuda else ([], lambda: None)
+    try:
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        warm = model.warmup()
+        out = model.generate([list(range(100, 100 + prompt_len))], max_new_tokens=1)
+        if cuda:
+            torch.cuda.synchronize(device)
+        first_token_s = time.perf_counter() - t0
+    finally:
+        remove()
+    per_kernel: dict[str, float] = {}
+    for name, s in compiles:
+        per_kernel[name] = per_kernel.get(name, 0.0) + s
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
+    return {"first_token_s": first_token_s, "warmup_s": warm, "capture_s": model.capture_s,
+            "compile_s": sum(s for _, s in compiles), "compiles": len(compiles),
+            "slowest_kernels_s": {k: round(v, 3) for k, v in top}, "tokens": len(out[0])}
+
+
+def cold_and_warm(quick: bool, device: torch.device, prompt_len: int, max_seq_len: int,
+                  timeout: float = 420) -> dict:
+    """Two fresh processes over one new Triton cache: {"cold": {...}, "warm": {...}} (``measure``'s
+    figures), or {"error": ...} if a run failed."""
+    spec = json.dumps({"quick": quick, "device": str(device), "prompt_len": prompt_len, "max_seq_len": max_seq_len})
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="ember-triton-cache-") as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+        for name in ("cold", "warm"):
+            r = subprocess.run([sys.executable, "-m", "ember.bench._first_token"], input=spec, env=env,
+                               capture_output=True, text=True, timeout=timeout)
+            if r.returncode != 0:
+                return {"error": f"{name} run failed: {r.stderr[-1500:]}"}
+            out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
+if __name__ == "__main__":  # one measurement: the spec on stdin, the figures as the last stdout line
+    s = json.loads(sys.stdin.read())
+    print(json.dumps(measure(s["quick"], torch.device(s["device"]), s["prompt_len"], s["max_seq_len"])))

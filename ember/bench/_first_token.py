@@ -3,7 +3,8 @@
 Each measurement is a fresh process (``python -m ember.bench._first_token``), so nothing compiled
 earlier in the suite's process helps it: the process builds Qwen3-30B-A3B with random weights (not
 timed: no checkpoint is read), then times ``model.warmup()`` plus the first request's first token
-(``generate`` of one new token) by the wall clock. Two runs share one fresh ``TRITON_CACHE_DIR``:
+(``generate`` of one new token) by the wall clock. Two runs share one fresh Triton cache folder
+(``triton.knobs.cache.dir``, set before anything compiles):
 the first compiles every kernel variant into the empty cache (``cold``), the second finds them there
 (``warm``). Each run also reports what its Triton compiles took (the time between Triton's
 ``jit_cache_hook`` and ``jit_post_compile_hook`` per kernel variant: compiling, or reading the
@@ -13,7 +14,6 @@ graphs (``Model.capture_s``).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -45,9 +45,14 @@ def _compile_timer():
     return done, remove
 
 
-def measure(quick: bool, device: torch.device, prompt_len: int, max_seq_len: int) -> dict:
-    """In this process: build the model, then time warm-up + the first token (see the module doc)."""
+def measure(quick: bool, device: torch.device, prompt_len: int, max_seq_len: int,
+            triton_cache: str | None = None) -> dict:
+    """In this process: build the model, then time warm-up + the first token (see the module doc);
+    ``triton_cache``: the Triton cache folder to compile into (before the first compile)."""
     from ember.bench.moe import ember_from_hf, make_hf
+    if triton_cache is not None and device.type == "cuda":  # (nothing compiles on the CPU path)
+        from triton import knobs
+        knobs.cache.dir = triton_cache
     hf, cfg = make_hf(quick, device)
     model = ember_from_hf(hf, cfg, max_seq_len=max_seq_len)
     del hf
@@ -77,12 +82,12 @@ def cold_and_warm(quick: bool, device: torch.device, prompt_len: int, max_seq_le
                   timeout: float = 420) -> dict:
     """Two fresh processes over one new Triton cache: {"cold": {...}, "warm": {...}} (``measure``'s
     figures), or {"error": ...} if a run failed."""
-    spec = json.dumps({"quick": quick, "device": str(device), "prompt_len": prompt_len, "max_seq_len": max_seq_len})
     out = {}
     with tempfile.TemporaryDirectory(prefix="ember-triton-cache-") as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+        spec = json.dumps({"quick": quick, "device": str(device), "prompt_len": prompt_len,
+                           "max_seq_len": max_seq_len, "triton_cache": cache})
         for name in ("cold", "warm"):
-            r = subprocess.run([sys.executable, "-m", "ember.bench._first_token"], input=spec, env=env,
+            r = subprocess.run([sys.executable, "-m", "ember.bench._first_token"], input=spec,
                                capture_output=True, text=True, timeout=timeout)
             if r.returncode != 0:
                 return {"error": f"{name} run failed: {r.stderr[-1500:]}"}
@@ -92,4 +97,5 @@ def cold_and_warm(quick: bool, device: torch.device, prompt_len: int, max_seq_le
 
 if __name__ == "__main__":  # one measurement: the spec on stdin, the figures as the last stdout line
     s = json.loads(sys.stdin.read())
-    print(json.dumps(measure(s["quick"], torch.device(s["device"]), s["prompt_len"], s["max_seq_len"])))
+    print(json.dumps(measure(s["quick"], torch.device(s["device"]), s["prompt_len"], s["max_seq_len"],
+                             s["triton_cache"])))

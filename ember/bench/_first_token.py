@@ -87,8 +87,11 @@ def cold_and_warm(quick: bool, device: torch.device, prompt_len: int, max_seq_le
         spec = json.dumps({"quick": quick, "device": str(device), "prompt_len": prompt_len,
                            "max_seq_len": max_seq_len, "triton_cache": cache})
         for name in ("cold", "warm"):
-            r = subprocess.run([sys.executable, "-m", "ember.bench._first_token"], input=spec,
-                               capture_output=True, text=True, timeout=timeout)
+            try:
+                r = subprocess.run([sys.executable, "-m", "ember.bench._first_token"], input=spec,
+                                   capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return {"error": f"{name} run passed its {timeout:.0f} s limit"}
             if r.returncode != 0:
                 return {"error": f"{name} run failed: {r.stderr[-1500:]}"}
             out[name] = json.loads(r.stdout.strip().splitlines()[-1])

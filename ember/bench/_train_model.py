@@ -13,9 +13,9 @@
   4096 tokens, full fine-tuning with fused AdamW; stock transformers, ember (``ember.train.patch``) and
   stock + Liger-Kernel (``apply_liger_kernel_to_qwen3_moe``, which patches transformers' classes, so
   it runs last). Per setup: tok/s over steps 10-50 and how a step splits into forward, backward and
-  the optimizer (``forward_ms`` / ``backward_ms`` / ``optimizer_ms``), peak GB, the fraction of the step's FLOP bound,
-  the loss after 50 steps (same data), and the longest sequence it trains at batch 1 (doubling from
-  4096 while a step fits, bounded in time).
+  the optimizer (``forward_ms`` / ``backward_ms`` / ``optimizer_ms``), peak GB, the fraction of the
+  step's FLOP bound, the loss after 50 steps (same data), and the longest sequence it trains at batch
+  1 (doubling from 4096 while a step fits, bounded in time).
 """
 from __future__ import annotations
 

@@ -83,12 +83,11 @@ def _engine_rows(ctx, data) -> list[Row]:
     """The draw the decode graph runs (``engine.sample_step``: per-row tensors, per-row seeds advanced
     after the draw, the batch's ``every_row`` mode from ``sampling_mode`` as the engine derives it)
     at one row, against the scalar call the rows above time."""
-    from ember.engine import SamplingParams, sample_step, sampling_mode
+    from ember.engine import SamplingParams, every_row_promise, sample_step, sampling_mode
     dev, rows = ctx.device, []
     V = data[0].shape[1]
     for name, k, p, target in (("sample_engine_t0.7_k50_p0.9", 50, 0.9, 6.6), ("sample_engine_t0.7", 0, 1.0, 4.6)):
-        mode = sampling_mode(SamplingParams(temperature=0.7, top_k=k, top_p=p), V)
-        every_row = None if mode == "any" else mode
+        every_row = every_row_promise(sampling_mode(SamplingParams(temperature=0.7, top_k=k, top_p=p), V))
         params = (torch.full((1,), 0.7, device=dev), torch.full((1,), k, dtype=torch.int64, device=dev),
                   torch.full((1,), p, device=dev), torch.zeros(1, device=dev))
         seed = torch.tensor([1234], device=dev)

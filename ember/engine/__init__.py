@@ -271,7 +271,7 @@ class Model:
             # All rows greedy: argmax, no filtering or random numbers (cheaper than sample at T=0).
             return self._argmax(logits)
         return sample_step(logits, self._temperature[:B], self._top_k[:B], self._top_p[:B], self._min_p[:B],
-                           self._seed[:B], every_row=None if self._mode == "any" else self._mode)
+                           self._seed[:B], every_row=every_row_promise(self._mode))
 
     def _write_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: slice) -> None:
         """log_softmax of the raw logits (before temperature and filters) at the chosen tokens and its top-k."""
@@ -410,7 +410,7 @@ class Model:
             one["min_p"].fill_(float(sampling.min_p))
             one["seed"].fill_(seed)
             # keyed by the seed alone, as sample_step
-            tok = ember.ops.sample(logits, **one, check=False, every_row=None if mode == "any" else mode)
+            tok = ember.ops.sample(logits, **one, check=False, every_row=every_row_promise(mode))
         # the key of the row's second draw, set now: the steps that ran over the row while it
         # prefilled advanced its seed too
         self._seed[row] = _wrap64(seed + SEED_STEP)
@@ -702,6 +702,11 @@ def sampling_mode(s: SamplingParams, vocab: int) -> str:
     if s.top_p >= 1.0 and s.min_p == 0.0:
         return "temperature_only"
     return "any"
+
+
+def every_row_promise(mode: str) -> str | None:
+    """The ``every_row`` promise a step of sampling ``mode`` gives ``ember.ops.sample`` (None: "any")."""
+    return None if mode == "any" else mode
 
 
 def batch_mode(modes) -> str:

@@ -468,8 +468,9 @@ def test_every_row_tensor_promise_is_checked_only_with_check():
     ("temperature_only", dict(temperature=_T([0.7, 1.3, 2.0]), top_k=_T([0, 500, 0]))),
 ])
 def test_every_row_promise_kept_draws_the_same_tokens(mode, every_row, mix, request):
-    """A kept promise changes which kernel path runs (on the GPU), never the tokens: the same seeds
-    and offset give the same draws as the call without it (GPU: test_gpu_sample_every_row_...)."""
+    """A kept promise is accepted by the checks and leaves the draws as they are: the same seeds and
+    offset give the same tokens as the call without it. The CPU paths take no specialised kernel for
+    it; test_gpu_sample_every_row_promise_same_tokens covers the GPU paths it selects."""
     if mode == "interpreter":
         request.getfixturevalue("interpreter")
     g = torch.Generator().manual_seed(11)

@@ -215,9 +215,9 @@ def waves_pay(temperature, top_k, top_p, V: int, every_row: str | None = None) -
 def topk_tagged(temperature, top_k, V: int, every_row: str | None = None) -> bool:
     """Whether every row of a one-launch (not waves) sample takes top-k, known from the scalars (t > 0
     and 0 < k < V; top-p and min-p may be anything, per-row too) or promised by the caller
-    (``every_row="top_k"``, as the engine derives it from its requests' SamplingParams). Such a launch takes the tagged-word
-    path (``_topk_tagged_row``): H200 [1, 128256] k 50 + p 0.9 6.66 us, 7.80 with ``_topk_sample``'s
-    acq_rel atomics (sample_tagged_probe.json)."""
+    (``every_row="top_k"``, as the engine derives it from its requests' SamplingParams). Such a
+    launch takes the tagged-word path (``_topk_tagged_row``): H200 [1, 128256] k 50 + p 0.9 6.66 us,
+    7.80 with ``_topk_sample``'s acq_rel atomics (sample_tagged_probe.json)."""
     if every_row == "top_k":
         return True
     if not (_scalar(temperature) and _scalar(top_k)):
@@ -227,8 +227,9 @@ def topk_tagged(temperature, top_k, V: int, every_row: str | None = None) -> boo
 
 def temperature_alone(temperature, top_k, top_p, min_p, V: int, every_row: str | None = None) -> bool:
     """Whether every row samples by temperature alone (scalars: t > 0, top-k off (0 or >= V), top-p 1,
-    min-p 0; or the caller's ``every_row="temperature_only"`` promise): the one-launch sampler then races without its barrier (``_free_race_row``; H200
-    [1, 128256]: 4.41 vs 6.19 us with the barrier, sample_free_race.json)."""
+    min-p 0; or the caller's ``every_row="temperature_only"`` promise): the one-launch sampler then
+    races without its barrier (``_free_race_row``; H200 [1, 128256]: 4.41 vs 6.19 us with the
+    barrier, sample_free_race.json)."""
     if every_row == "temperature_only":
         return True
     if not all(_scalar(v) for v in (temperature, top_k, top_p, min_p)):

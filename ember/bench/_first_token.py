@@ -21,28 +21,7 @@ import time
 
 import torch
 
-
-def _compile_timer():
-    """Install Triton hooks that time each kernel variant's compile; returns the list they fill with
-    (kernel name, seconds) and a function that removes them."""
-    from triton import knobs
-    done, started = [], {}
-
-    def pre(*, repr, **_):
-        started[repr] = time.perf_counter()
-        return False  # never skip the compile
-
-    def post(*, repr, **_):
-        t0 = started.pop(repr, None)
-        if t0 is not None:
-            done.append((repr.split("[", 1)[0], time.perf_counter() - t0))
-
-    old = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = pre, post
-
-    def remove():
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
-    return done, remove
+from ember.bench import _timing
 
 
 def measure(quick: bool, device: torch.device, prompt_len: int, max_seq_len: int,
@@ -57,7 +36,7 @@ def measure(quick: bool, device: torch.device, prompt_len: int, max_seq_len: int
     model = ember_from_hf(hf, cfg, max_seq_len=max_seq_len)
     del hf
     cuda = device.type == "cuda"
-    compiles, remove = _compile_timer() if cuda else ([], lambda: None)
+    compiles, remove = _timing.triton_compile_timer() if cuda else ([], lambda: None)
     try:
         if cuda:
             torch.cuda.synchronize(device)

@@ -123,3 +123,35 @@ def timed_with_peak(fn, device) -> tuple[object, float, float, float]:
         return out, seconds, float("nan"), float("nan")
     return (out, seconds, (torch.cuda.max_memory_allocated() - base) / 1e9,
             (torch.cuda.max_memory_reserved() - base) / 1e9)
+
+
+def triton_compile_timer():
+    """Install Triton hooks that time each kernel variant's compile (between Triton's cache and
+    post-compile hooks: compiling, or reading its on-disk cache); returns the list they fill with
+    (kernel name, seconds) and a function that removes them.
+
+    Example:
+        >>> compiles, remove = triton_compile_timer()
+        >>> try:
+        ...     run_something()
+        ... finally:
+        ...     remove()
+    """
+    from triton import knobs
+    done, started = [], {}
+
+    def pre(*, repr, **_):
+        started[repr] = time.perf_counter()
+        return False  # never skip the compile
+
+    def post(*, repr, **_):
+        t0 = started.pop(repr, None)
+        if t0 is not None:
+            done.append((repr.split("[", 1)[0], time.perf_counter() - t0))
+
+    old = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = pre, post
+
+    def remove():
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
+    return done, remove

@@ -31,6 +31,9 @@ from ember.ops import _checks
 
 MAX_ROW = 1 << 20
 _SEED_MIX = 0x9E3779B97F4A7C15
+# what ``sample(advance_seed=True)`` adds to each row's seed after its draw: odd (the golden-ratio
+# word as a signed int64), so seed + k * SEED_STEP (mod 2^64) runs through 2^64 keys before repeating
+SEED_STEP = _SEED_MIX - (1 << 64)
 
 
 @dataclasses.dataclass
@@ -182,6 +185,20 @@ def _validate_seed(seed, offset, device):
         raise ValueError("offset: expected seed to be given with it, got seed=None")
 
 
+def _validate_advance_seed(advance_seed, seed, batch):
+    if not isinstance(advance_seed, bool):
+        raise TypeError(f"advance_seed: expected a bool, got {type(advance_seed).__name__}")
+    if not advance_seed:
+        return
+    if not isinstance(seed, torch.Tensor):
+        raise ValueError(f"advance_seed: expected seed to be an int64 tensor of one seed per row to advance, got "
+                         f"seed={seed!r}")
+    if seed.dtype != torch.int64 or seed.numel() != batch or not seed.is_contiguous():
+        raise ValueError(f"advance_seed: expected seed to be a contiguous int64 tensor of {batch} (logits.shape[0]) "
+                         f"elements, got dtype {str(seed.dtype).replace('torch.', '')}, shape {tuple(seed.shape)}"
+                         f"{'' if seed.is_contiguous() else ', not contiguous'}")
+
+
 def _softmax_args(x, dim, temperature):
     _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
     if isinstance(dim, bool) or not isinstance(dim, int):
@@ -262,11 +279,12 @@ def _mixed_seed(seed: int, offset: int, row: int) -> int:
 
 
 def sample_reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, offset=None,
-                     generator=None) -> torch.Tensor:
+                     generator=None, advance_seed: bool = False) -> torch.Tensor:
     """Draw from ``sampling_probs_reference`` with torch.multinomial (int64 [batch] on logits.device).
 
     With one ``seed``, row ``r`` draws from a generator seeded by (seed, offset, r); with a per-row
-    seed tensor, by (seed[r], offset) alone; a tensor ``offset`` is advanced by one, as the kernel does.
+    seed tensor, by (seed[r], offset) alone; a tensor ``offset`` is advanced by one, and with
+    ``advance_seed`` each seed by SEED_STEP (wrapping at 2^64), as the kernel does.
     """
     B = logits.shape[0]
     probs = sampling_probs_reference(logits, temperature, top_k, top_p, min_p)
@@ -282,6 +300,8 @@ def sample_reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, see
             out[r] = torch.multinomial(probs[r], 1, generator=g)[0]
     if isinstance(offset, torch.Tensor):
         offset.add_(1)
+    if advance_seed:
+        seed.add_(SEED_STEP)
     return out.to(logits.device)
 
 
@@ -311,9 +331,10 @@ def _argmax_impl(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out
 
 
-def _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generator, every_row=None):
+def _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generator, every_row=None,
+                 advance_seed=False):
     if not _dispatch.use_triton(logits):
-        return sample_reference(logits, temperature, top_k, top_p, min_p, seed, offset, generator)
+        return sample_reference(logits, temperature, top_k, top_p, min_p, seed, offset, generator, advance_seed)
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     if logits.shape[0] == 0:
         return out
@@ -323,7 +344,8 @@ def _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generat
         seed = torch.randint(0, 1 << 62, (1,), device=logits.device, generator=generator)
     _dispatch.prepare_triton()
     from ember.kernels import sampling as kernels
-    kernels.sample(_checks.rows_2d(logits), out, temperature, top_k, top_p, min_p, seed, offset, every_row)
+    kernels.sample(_checks.rows_2d(logits), out, temperature, top_k, top_p, min_p, seed, offset, every_row,
+                   advance_seed)
     return out
 
 
@@ -352,14 +374,15 @@ def _(x, dim):
     return torch.empty(shape, dtype=torch.int64, device=x.device)
 
 
-@torch.library.custom_op("ember::sample", mutates_args=("offset",))
+@torch.library.custom_op("ember::sample", mutates_args=("seed", "offset"))
 def _sample_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, every_row: str) -> torch.Tensor:
-    return _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, None, every_row or None)
+               min_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, every_row: str,
+               advance_seed: bool) -> torch.Tensor:
+    return _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, None, every_row or None, advance_seed)
 
 
 @_sample_op.register_fake
-def _(logits, temperature, top_k, top_p, min_p, seed, offset, every_row):
+def _(logits, temperature, top_k, top_p, min_p, seed, offset, every_row, advance_seed):
     return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
 
 
@@ -421,7 +444,8 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, offset=None,
-           generator: torch.Generator | None = None, check: bool = True, every_row: str | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, check: bool = True, every_row: str | None = None,
+           advance_seed: bool = False) -> torch.Tensor:
     """Draw one token per row of ``logits [batch, vocab]``: int64 ``[batch]``.
 
     Filters apply in the order temperature, top-k, top-p, min-p (module docstring has the exact
@@ -432,6 +456,9 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     from ``generator`` (or torch's default) on the device. One seed for the batch is mixed with the
     row index (rows draw apart); a per-row seed keys its row alone, so a row's draw does not depend
     on where it sits in the batch (the engine's per-request seeds rely on this).
+    ``advance_seed=True`` (per-row seed tensor, int64, one per row): after its draw each row's seed
+    becomes seed + ``SEED_STEP`` (mod 2^64), written by the kernel itself, so a captured graph's next
+    replay draws each row's next token without a launch of its own.
 
     ``check=True`` validates values that need a device sync (NaN / +inf logits, all -inf rows,
     per-row parameter ranges); it is skipped automatically during CUDA-graph capture and under
@@ -466,6 +493,7 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     _validate_seed(seed, offset, dev)
     if isinstance(seed, torch.Tensor) and seed.numel() not in (1, B):
         raise ValueError(f"seed: expected 1 or {B} (logits.shape[0]) elements, got shape {tuple(seed.shape)}")
+    _validate_advance_seed(advance_seed, seed, B)
     if _dispatch.compiling():
         seed_t = seed if seed is None or isinstance(seed, torch.Tensor) else torch.tensor([seed], device=dev)
         if seed_t is None:
@@ -475,5 +503,5 @@ def sample(logits: torch.Tensor, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         offset_t = offset if isinstance(offset, torch.Tensor) else torch.tensor([offset or 0], dtype=torch.int64, device=dev)
         return _sample_op(logits, _as_tensor(temperature, B, torch.float32, dev), _as_tensor(top_k, B, torch.int64, dev),
                           _as_tensor(top_p, B, torch.float32, dev), _as_tensor(min_p, B, torch.float32, dev),
-                          seed_t, offset_t, every_row or "")
-    return _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generator, every_row)
+                          seed_t, offset_t, every_row or "", advance_seed)
+    return _sample_impl(logits, temperature, top_k, top_p, min_p, seed, offset, generator, every_row, advance_seed)

@@ -1156,3 +1156,111 @@ def test_gpu_sample_every_row_promise_same_tokens(cuda, monkeypatch, B, every_ro
     want = "temperature_alone" if every_row == "temperature_only" else "topk_tagged"
     if B <= 8:  # one launch (40 rows: two launches, as for these scalars)
         assert (want, True) in taken, taken
+
+
+# ------------------------------------------------------------------ advance_seed (the engine's draw)
+_WRAP_SEEDS = [(1 << 63) - 5, -(1 << 63) + 3, 0, 12345, -7]   # both ends of int64: the advance wraps
+
+
+def _advanced(seeds):
+    return [((s + S.SEED_STEP + (1 << 63)) % (1 << 64)) - (1 << 63) for s in seeds]
+
+
+def _advance_seed_case(path, B, device):
+    """(per-row parameters, sample_one_launch keywords) for one of the sampler's paths."""
+    def col(v, dtype=torch.float32):
+        return torch.tensor(v, dtype=dtype, device=device)
+    if path == "free":       # every row temperature alone: the barrier-free race
+        return (dict(temperature=col([0.8 + 0.1 * r for r in range(B)]), top_k=col([0] * B, torch.int64),
+                     top_p=col([1.0] * B), min_p=col([0.0] * B)), dict(every_row="temperature_only"))
+    if path == "tagged":     # every row top-k: the tagged words
+        return (dict(temperature=col([0.7] * B), top_k=col([10 + 5 * r for r in range(B)], torch.int64),
+                     top_p=col([0.9] * B), min_p=col([0.0] * B)), dict(every_row="top_k"))
+    mixes = [SAMPLE_MIXES[i % 5] for i in range(B)]   # top-k + top-p, min-p, greedy, top-p alone, k > pieces
+    rows = dict(temperature=col([m["temperature"] for m in mixes]),
+                top_k=col([m["top_k"] for m in mixes], torch.int64), top_p=col([m["top_p"] for m in mixes]),
+                min_p=col([m["min_p"] for m in mixes]))
+    return rows, {}
+
+
+def test_sample_advance_seed_every_path_interpreter(interpreter):
+    """``advance_seed``: the finisher of each row, on every path of the sampler (two launches, the grid
+    barrier over mixed rows, waves, the barrier-free race, the tagged top-k words), writes the row's
+    seed + SEED_STEP (wrapping at 2^64), and the tokens are those the same per-row seeds draw
+    without it (the two launches' without advancing: the paths draw the same tokens)."""
+    k = _k()
+    B = len(_WRAP_SEEDS)
+    x = torch.randn(B, 5000) * 3    # 5 programs a row (the interpreter's cost is per program)
+    keys = torch.tensor(_WRAP_SEEDS, dtype=torch.int64)
+    for group, paths in (("mixed", ("two_launch", "grid", "waves")), ("free", ("grid",)), ("tagged", ("grid",))):
+        rows, kw = _advance_seed_case(group, B, CPU)
+        want = poisoned((B,), torch.int64, "cpu")
+        k.sample_two_launch(x, want, *rows.values(), keys, 3)
+        for path in paths:
+            seeds = keys.clone()
+            got = poisoned((B,), torch.int64, "cpu")
+            if path == "two_launch":
+                k.sample_two_launch(x, got, *rows.values(), seeds, 3, advance_seed=True)
+            else:
+                k.sample_one_launch(x, got, *rows.values(), seeds, 3, spin_cap=2, advance_seed=True,
+                                    **(dict(chunk=2048, rows_per_wave=2) if path == "waves" else kw))
+            assert torch.equal(got, want), (group, path, got, want)
+            assert seeds.tolist() == _advanced(_WRAP_SEEDS), (group, path)
+    assert keys.tolist() == _WRAP_SEEDS
+    _assert_workspace_clean(_grid()._WORKSPACES[("cpu", None)])
+
+
+def test_sample_advance_seed_reference_and_errors():
+    """The reference path advances the seeds as the kernels do; advance_seed needs a contiguous int64
+    tensor of one seed per row, and says which part is wrong."""
+    x = torch.randn(3, 50)
+    seeds = torch.tensor(_WRAP_SEEDS[:3])
+    want = S.sample_reference(x, 0.7, 5, 0.9, 0.0, seeds.clone())
+    got = ember.ops.sample(x, temperature=0.7, top_k=5, top_p=0.9, seed=seeds, advance_seed=True)
+    assert torch.equal(got, want)
+    assert seeds.tolist() == _advanced(_WRAP_SEEDS[:3])
+    with pytest.raises(ValueError, match="advance_seed: expected seed to be an int64 tensor.*seed=5"):
+        ember.ops.sample(x, seed=5, advance_seed=True)
+    with pytest.raises(ValueError, match=r"advance_seed: .*3 \(logits.shape\[0\]\) elements, got dtype int64, shape \(1,\)"):
+        ember.ops.sample(x, seed=torch.tensor([1]), advance_seed=True)
+    with pytest.raises(ValueError, match="int32"):
+        ember.ops.sample(x, seed=torch.tensor([1, 2, 3], dtype=torch.int32), advance_seed=True)
+    with pytest.raises(ValueError, match="not contiguous"):
+        ember.ops.sample(x, seed=torch.arange(6)[::2], advance_seed=True)
+    with pytest.raises(TypeError, match="advance_seed: expected a bool, got int"):
+        ember.ops.sample(x, seed=seeds, advance_seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 40])
+@pytest.mark.parametrize("path", ["mixed", "free", "tagged"])
+def test_gpu_sample_advance_seed_same_tokens_in_a_graph(cuda, B, path):
+    """On the GPU (every one-launch path is co-resident there): ``advance_seed`` draws the tokens the
+    same per-row seeds draw without it, advances each seed by SEED_STEP, and in a captured graph each
+    replay draws the next step's tokens, as eager calls with the advanced seeds do."""
+    seeds0 = [(_WRAP_SEEDS * 8)[r] + r for r in range(B)]
+    rows, kw = _advance_seed_case(path, B, cuda)
+    every_row = kw.get("every_row")
+    x = torch.randn(B, 128256, device=cuda) * 3
+    keys = torch.tensor(seeds0, device=cuda)
+    eager = []
+    for _ in range(3):
+        want = ember.ops.sample(x, **rows, seed=keys.clone(), every_row=every_row)
+        seeds = keys.clone()
+        got = ember.ops.sample(x, **rows, seed=seeds, every_row=every_row, advance_seed=True)
+        assert torch.equal(got, want), (B, path, got, want)
+        assert seeds.tolist() == _advanced(keys.tolist())
+        eager.append(got)
+        keys = seeds
+    seeds = torch.tensor(seeds0, device=cuda)
+    out = torch.empty(B, dtype=torch.int64, device=cuda)
+    ember.ops.sample(x, **rows, seed=seeds.clone(), every_row=every_row, advance_seed=True, check=False)  # warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(ember.ops.sample(x, **rows, seed=seeds, every_row=every_row, advance_seed=True, check=False))
+    seeds.copy_(torch.tensor(seeds0, device=cuda))
+    for step in range(3):
+        graph.replay()
+        assert torch.equal(out, eager[step]), (B, path, step)
+    torch.cuda.synchronize()
+    _assert_workspace_clean(_grid()._WORKSPACES[("cuda", x.device.index)])

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels._common import pdl_options, pdl_start
+from ember.ops.sampling import SEED_STEP as _SEED_STEP
 
 ROW_BLOCK_MAX = 16384     # one-row-per-program in registers up to here
 MAX_PROGRAMS_PER_ROW = 128
@@ -35,6 +36,7 @@ BARRIER_GEN = tl.constexpr(1 << 20)
 ROW_SLOT_WORDS = tl.constexpr(2 * MAX_PROGRAMS_PER_ROW)  # int64 words of tagged partials per row
 GRID_MAXIMA_WORDS = tl.constexpr(MAX_PROGRAMS_PER_ROW)            # a row's tagged piece maxima, then
 GRID_SLOT_WORDS = tl.constexpr(MAX_PROGRAMS_PER_ROW + 2 * CAP)  # its CAP tagged candidate pairs
+SEED_STEP = tl.constexpr(_SEED_STEP)  # SEED_MODE 3 (advance_seed): what each row's finisher adds to its seed
 # polls before a one-launch softmax program gives up waiting and recomputes its row: at an
 # estimated (unmeasured) 0.3-1 us per poll of an L2 atomic, ~0.3-1 s, far beyond any real wait
 SPIN_CAP = 1 << 20
@@ -193,10 +195,23 @@ def _row_max_sum_exact(xrow, V, inv_t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _slot_then_best_token(packed, row, c, P, slot_ptr, cnt_ptr, out_ptr, PB: tl.constexpr):
+def _store_token(out_ptr, row, tok, seed_ptr, SEED_MODE: tl.constexpr):
+    """The row's token; with SEED_MODE 3 also the row's next seed (its seed + SEED_STEP). Only a row's
+    finisher calls this: every program of the row that keys a race with the seed has read it before
+    its arrival (acq_rel, or the tagged path, where the finisher alone keys the race), and a greedy
+    row's programs do not use it. H100 [1, 128256]: the engine's separate seed.add_ launch cost
+    +1.5 to +2.5 us a draw in a graph (sampling_engine_probe.json)."""
+    tl.store(out_ptr + row, tok.to(tl.int64))
+    if SEED_MODE == 3:
+        tl.store(seed_ptr + row, tl.load(seed_ptr + row) + SEED_STEP)
+
+
+@triton.jit
+def _slot_then_best_token(packed, row, c, P, slot_ptr, cnt_ptr, out_ptr, PB: tl.constexpr, seed_ptr=None,
+                          SEED_MODE: tl.constexpr = 0):
     """Publish this chunk's packed (key, token) (``_pack``) in its slot; the row's last program to
-    arrive writes the largest slot's token and puts the row's counter back to 0 (argmax, and the
-    sampler's races)."""
+    arrive writes the largest slot's token (``_store_token``) and puts the row's counter back to 0
+    (argmax, and the sampler's races)."""
     tl.store(slot_ptr + row * P + c, packed)
     tl.debug_barrier()  # the slot store precedes the release below
     if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:
@@ -204,7 +219,7 @@ def _slot_then_best_token(packed, row, c, P, slot_ptr, cnt_ptr, out_ptr, PB: tl.
         i = tl.arange(0, PB)
         best = tl.max(tl.load(slot_ptr + row * P + i, mask=i < P, other=INT64_MIN, cache_modifier=".cg"), axis=0)
         tl.store(cnt_ptr + row, 0)
-        tl.store(out_ptr + row, _token(best).to(tl.int64))
+        _store_token(out_ptr, row, _token(best), seed_ptr, SEED_MODE)
 
 
 

@@ -84,12 +84,14 @@ def _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, o
 def _row_sampling_params(t_ptr, t_scalar, k_ptr, k_scalar, p_ptr, p_scalar, mp_ptr, mp_scalar, seed_ptr, seed_scalar,
                          row, V, T_PER_ROW: tl.constexpr, K_PER_ROW: tl.constexpr, P_PER_ROW: tl.constexpr,
                          MP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr):
-    """(temperature, top_k (0 when >= V), top_p, min_p, Philox key) of ``row``."""
+    """(temperature, top_k (0 when >= V), top_p, min_p, Philox key) of ``row``. SEED_MODE: 0 a scalar
+    seed, 1 one seed tensor for the batch (both mixed with the row index), 2 per-row seeds, 3 per-row
+    seeds that the row's finisher advances (``_store_token``)."""
     t = _row_param(t_ptr, t_scalar, row, tl.float32, T_PER_ROW)
     k = _row_param(k_ptr, k_scalar, row, tl.int32, K_PER_ROW)
     p = _row_param(p_ptr, p_scalar, row, tl.float32, P_PER_ROW)
     minp = _row_param(mp_ptr, mp_scalar, row, tl.float32, MP_PER_ROW)
-    if SEED_MODE == 2:  # a per-row seed is the row's whole key: its draws do not depend on its index
+    if SEED_MODE >= 2:  # a per-row seed is the row's whole key: its draws do not depend on its index
         seed = tl.load(seed_ptr + row).to(tl.int64)
     else:  # one seed for the batch: mixed with the row index so that rows draw apart
         if SEED_MODE == 0:

@@ -11,7 +11,7 @@ import triton.language as tl
 from ember.kernels._common import await_tagged, generation_tag, pdl_start, tagged, untagged
 from ember.kernels.sampling._grid import (BARRIER_GEN, GRID_MAXIMA_WORDS, GRID_SLOT_WORDS, INT64_MIN, _arrival,
                                           _barrier_wait, _chunk_max_sum, _combine_stats, _ld_acquire,
-                                          _ordered_key, _slot_then_best_token, _token)
+                                          _ordered_key, _slot_then_best_token, _store_token, _token)
 from ember.kernels.sampling._race import (_append_candidates, _candidate_bound, _chunk_race,
                                           _fallback_select_and_race, _race_list, _race_values, _row_sampling_params,
                                           _select_and_race)
@@ -169,7 +169,7 @@ def _piece_maxima_exact(xrow, V, t, n_pieces, PIECE: tl.constexpr, QB: tl.conste
 
 @triton.jit
 def _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, out_ptr, t, t1, k, p, minp, seed,
-                 cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SUB: tl.constexpr, QB: tl.constexpr,
+                 seed_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SEED_MODE: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
                  CHUNK: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
                  SMALL_SORT: tl.constexpr, RESERVE_SEM: tl.constexpr):
     """``_sample_row`` after the barrier for a top-k row (k > 0, t > 0; rows whose top-k the host cannot
@@ -210,7 +210,7 @@ def _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, ou
         tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, 1.0, L, n, cand_z_ptr, cand_i_ptr,
                                seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
         tl.store(cnt_ptr + row, 0)
-        tl.store(out_ptr + row, tok.to(tl.int64))
+        _store_token(out_ptr, row, tok, seed_ptr, SEED_MODE)
 
 
 @triton.jit
@@ -228,7 +228,7 @@ def _race_tagged(cand_ptr, n, tag, row, k, p, minp, M, seed, off, spin_cap, BLOC
 
 @triton.jit
 def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_programs, out_ptr, offset_ptr,
-                     t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap,
+                     t, k, p, minp, seed, seed_ptr, bar_ptr, cnt_ptr, slots, spin_cap, SEED_MODE: tl.constexpr,
                      OFFSET_TENSOR: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
                      CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
                      SMALL_SORT: tl.constexpr, LD_POLL: tl.constexpr, OFF_BY_FINISHER: tl.constexpr = False):
@@ -303,7 +303,7 @@ def _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_pr
         else:
             tok = _token(won)
         tl.store(cnt_ptr + row, 0)
-        tl.store(out_ptr + row, tok.to(tl.int64))
+        _store_token(out_ptr, row, tok, seed_ptr, SEED_MODE)
         if OFFSET_TENSOR and OFF_BY_FINISHER:
             tl.store(offset_ptr, off + 1)
 
@@ -324,7 +324,7 @@ def _free_race_row(row, c, off, x_ptr, stride_x, V, P, slot_ptr, out_ptr, t_ptr,
     inb = cols < V
     z = tl.load(x_ptr + row * stride_x + cols, mask=inb, other=-float("inf")).to(tl.float32) / t
     _slot_then_best_token(_chunk_race(z, cols, inb, 0.0, 0.0, seed, row, off, c, CHUNK), row, c, P, slot_ptr,
-                          cnt_ptr, out_ptr, PB)
+                          cnt_ptr, out_ptr, PB, seed_ptr, SEED_MODE)
 
 
 @triton.jit
@@ -375,7 +375,8 @@ def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_
         # top-k (and top-p after it): the thresholds come from the candidates alone, so the row's
         # max and sum (_combine_stats, one more dependent read of the partials) are not needed
         _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, out_ptr, t, t1, k, p, minp,
-                     seed, cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SUB, QB, CHUNK, CAP, KC, FALLBACK_BLOCK,
+                     seed, seed_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SEED_MODE, SUB, QB, CHUNK, CAP, KC,
+                     FALLBACK_BLOCK,
                      SMALL_SORT, RESERVE_SEM)
     else:
         M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")
@@ -385,10 +386,10 @@ def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_
             first_max = tl.load(a_ptr + row * P + first_chunk, cache_modifier=".cg", mask=t == 0.0, other=0)
         if t == 0.0:  # greedy row: the first index of the max logit
             if c == 0:
-                tl.store(out_ptr + row, first_max.to(tl.int64))
+                _store_token(out_ptr, row, first_max, seed_ptr, SEED_MODE)
         elif (k == 0) & (p >= 1.0):
             _slot_then_best_token(_chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK), row, c, P, slot_ptr,
-                                  cnt_ptr, out_ptr, PB)
+                                  cnt_ptr, out_ptr, PB, seed_ptr, SEED_MODE)
         elif k == 0:  # top-p alone: the distributed nucleus search (_nucleus_bracket)
             e = tl.where(z > -float("inf"), tl.exp(z - M), 0.0)
             lo, hi, g_hi, Zn, n_br = _nucleus_bracket(z, e, xrow, V, t1, M, Z, p, row, c, P, pg_ptr, pn_ptr,
@@ -421,7 +422,7 @@ def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_
                                                     FALLBACK_BLOCK)
                 else:
                     tok = _token(won)
-                tl.store(out_ptr + row, tok.to(tl.int64))
+                _store_token(out_ptr, row, tok, seed_ptr, SEED_MODE)
                 tl.store(cnt_ptr + row, 0)
 
 
@@ -491,7 +492,8 @@ def _sample_one_launch_kernel(x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_
             off = tl.cast(offset_scalar, tl.int64)
         tag = generation_tag(tl.load(bar_ptr, cache_modifier=".cg") // BARRIER_GEN)  # not complete yet
         _topk_tagged_row(row, c, z, cols, inb, off, tag, x_ptr, stride_x, V, P, n_programs, out_ptr, offset_ptr,
-                         t, k, p, minp, seed, bar_ptr, cnt_ptr, slots, spin_cap, OFFSET_TENSOR, CHUNK, SUB, QB,
+                         t, k, p, minp, seed, seed_ptr, bar_ptr, cnt_ptr, slots, spin_cap, SEED_MODE, OFFSET_TENSOR,
+                         CHUNK, SUB, QB,
                          CAP, KC, FALLBACK_BLOCK, SMALL_SORT, LD_POLL, OFF_BY_FINISHER)
     else:
         _sample_rows(g, c, x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_ptr, a_ptr, ms_ptr, slot_ptr, out_ptr,

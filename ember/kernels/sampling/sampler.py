@@ -11,7 +11,7 @@ import triton.language as tl
 from ember.kernels._common import pdl_options, pdl_start
 from ember.kernels.sampling._grid import (CAP, FALLBACK_BLOCK, INT64_MIN, NUCLEUS_PIVOTS, NUCLEUS_ROUNDS,
                                           RESERVE_SEM, ROW_BLOCK_MAX, SPIN_CAP, TOPP_CANDIDATE_CHUNKS,
-                                          TWO_LAUNCH_FALLBACK_BLOCK, _combine_stats, _device_sms,
+                                          TWO_LAUNCH_FALLBACK_BLOCK, _combine_stats, _device_sms, _store_token,
                                           _one_launch_enabled, _stats, _tagged_slots, _token, _warps,
                                           _workspace_buffer, _workspace_views)
 from ember.kernels.sampling._plan import (fit_split, min_chunk, sample_warps, small_sort, split, temperature_alone,
@@ -38,7 +38,7 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
     M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, "")
     if t == 0.0:  # greedy row: the first index of the max logit
         if c == 0:
-            tl.store(out_ptr + row, tl.load(a_ptr + row * P + first_chunk).to(tl.int64))
+            _store_token(out_ptr, row, tl.load(a_ptr + row * P + first_chunk), seed_ptr, SEED_MODE)
     else:
         off = tl.load(off_ptr)
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -50,7 +50,7 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
             tl.atomic_max(best_ptr + row, _chunk_race(z, cols, inb, M, minp, seed, row, off, c, CHUNK))
             if tl.atomic_add(done_ptr, 1) == P - 1:
                 packed = tl.atomic_max(best_ptr + row, INT64_MIN)
-                tl.store(out_ptr + row, _token(packed).to(tl.int64))
+                _store_token(out_ptr, row, _token(packed), seed_ptr, SEED_MODE)
         else:
             L = _candidate_bound(chunk_max, k, p, P, V, PB, CAP, KC)
             _append_candidates(z, cols, inb, L, done_ptr + 1, cand_z_ptr, cand_i_ptr, row, CAP, False, "acq_rel")
@@ -58,7 +58,7 @@ def _sample_kernel(x_ptr, stride_x, V, P, m_ptr, s_ptr, a_ptr, out_ptr,
                 n = tl.atomic_add(done_ptr + 1, 0)
                 tok = _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_ptr, cand_i_ptr,
                                        seed, off, CAP, FALLBACK_BLOCK, SMALL_SORT)
-                tl.store(out_ptr + row, tok.to(tl.int64))
+                _store_token(out_ptr, row, tok, seed_ptr, SEED_MODE)
 
 
 
@@ -70,11 +70,15 @@ def _param(v, dtype_scalar):
     return None, dtype_scalar(v), False
 
 
-def _sampling_args(temperature, top_k, top_p, min_p, seed, dummy: torch.Tensor) -> tuple[tuple, dict]:
+def _sampling_args(temperature, top_k, top_p, min_p, seed, dummy: torch.Tensor,
+                   advance_seed: bool = False) -> tuple[tuple, dict]:
     """The sample kernels' (pointer-or-dummy, scalar) argument pairs for temperature, top_k, top_p,
-    min_p and seed, and their PER_ROW / SEED_MODE constexprs."""
+    min_p and seed, and their PER_ROW / SEED_MODE constexprs (``advance_seed``: per-row seeds that
+    the kernel advances, SEED_MODE 3; the caller checked one seed per row)."""
     params = [_param(v, kind) for v, kind in ((temperature, float), (top_k, int), (top_p, float), (min_p, float))]
-    if isinstance(seed, torch.Tensor):
+    if advance_seed:
+        seed_mode, seed_ptr, seed_s = 3, seed.view(-1), 0
+    elif isinstance(seed, torch.Tensor):
         seed_mode, seed_ptr, seed_s = (1 if seed.numel() == 1 else 2), seed.view(-1), 0
     else:
         seed_mode, seed_ptr, seed_s = 0, dummy, int(seed)
@@ -84,13 +88,14 @@ def _sampling_args(temperature, top_k, top_p, min_p, seed, dummy: torch.Tensor) 
 
 
 def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset,
-           every_row: str | None = None) -> None:
+           every_row: str | None = None, advance_seed: bool = False) -> None:
     """One token per row into int64 ``out``; parameters are Python scalars or per-row tensors (validated);
     ``every_row`` ("temperature_only", "top_k" or None) what the per-row tensors are known to hold
     (``ember.ops.sample``), which selects the specialised one-launch paths as scalars would.
 
     ``seed`` is an int or an int64 tensor of 1 or ``rows`` elements; ``offset`` an int, None, or a
-    one-element int64 tensor that each call advances by one. Long rows on a GPU take one launch
+    one-element int64 tensor that each call advances by one; ``advance_seed``: ``seed`` holds one
+    seed per row, and each row's finisher adds SEED_STEP to it after the draw. Long rows on a GPU take one launch
     (``sample_one_launch``): all rows at once when ``fit_split`` fits them, else in waves when
     ``waves_pay``; everything else takes ``sample_two_launch``.
     """
@@ -100,18 +105,19 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
         fit = fit_split(B, V, _device_sms(x2), mc)
         if fit is not None:
             sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=fit[0],
-                              every_row=every_row)
+                              every_row=every_row, advance_seed=advance_seed)
             return
         pays = waves_pay(temperature, top_k, top_p, V, every_row)
         plan = wave_rows_plan(B, V, _device_sms(x2), mc) if pays else None
         if plan is not None:
             sample_one_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, chunk=plan[0],
-                              rows_per_wave=plan[1], every_row=every_row)
+                              rows_per_wave=plan[1], every_row=every_row, advance_seed=advance_seed)
             return
-    sample_two_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset)
+    sample_two_launch(x2, out, temperature, top_k, top_p, min_p, seed, offset, advance_seed)
 
 
-def sample_two_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset) -> None:
+def sample_two_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset,
+                      advance_seed: bool = False) -> None:
     """``sample`` in two launches: chunk statistics (launch 1 also advances a tensor offset), then the
     race (launch 2). Any shape, any device the kernels run on; on the GPU also the one-launch
     sampler's reference (the same Philox keys, so the same tokens for the same seed and offset)."""
@@ -127,7 +133,7 @@ def sample_two_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     cand_z = torch.empty((B, cap), dtype=torch.float32, device=dev)
     cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev)
     has_off = isinstance(offset, torch.Tensor)
-    args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, state)
+    args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, state, advance_seed)
     m, s, a = _stats(x2, args[0], args[1], flags["T_PER_ROW"], chunk, P,
                      sample_state=(cnt, best, offset.view(-1) if has_off else state, 0 if has_off else int(offset or 0),
                                    off_out, has_off))
@@ -140,7 +146,7 @@ def sample_two_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
 
 def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p, seed, offset,
                       spin_cap: int = SPIN_CAP, chunk: int | None = None, rows_per_wave: int | None = None,
-                      every_row: str | None = None) -> None:
+                      every_row: str | None = None, advance_seed: bool = False) -> None:
     """``sample`` as one grid-barrier launch (``_sample_one_launch_kernel``); the caller guarantees that
     all B * P programs are resident at once (``sample`` takes it when ``fit_split`` finds chunks with
     B * P <= SM count on a GPU: one row of 128256 as 126 programs of 1024, 8 rows as 8 x 16 of 8192).
@@ -177,7 +183,7 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
     barrier, count, row_barriers = _workspace_views(ws, B)
     round_barriers = row_barriers[1:]
     has_off = isinstance(offset, torch.Tensor)
-    args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots)
+    args, flags = _sampling_args(temperature, top_k, top_p, min_p, seed, slots, advance_seed)
     topk_on = every_row != "temperature_only" and (isinstance(top_k, torch.Tensor) or 0 < top_k < V)
     free = temperature_alone(temperature, top_k, top_p, min_p, V, every_row)
     tagged = G == B and topk_tagged(temperature, top_k, V, every_row)

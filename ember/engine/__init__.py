@@ -51,11 +51,12 @@ def default_prefill_chunk(net, *, least: int = 512, most: int = 4096) -> int:
     Below that length a chunk costs about one full weight read whatever its size, so shorter chunks
     only add stalls for the streams decoding between them. For a dense model every weight is active
     and the ridge is ~190 tokens (so ``least``); for an MoE it is ~190 x (all weight bytes / the
-    bytes a token reads): Qwen3-30B-A3B reads 1 / 9.2 of its weights a token -> 1,750 -> 2,048.
+    bytes a token reads), over the decoder layers: Qwen3-30B-A3B's read 1 / 11 of their weights a
+    token -> ~2,090 -> 4,096 (the chunk ``ember bench serve`` reports).
 
     Example:
         >>> default_prefill_chunk(model.net)
-        2048
+        4096
     """
     total = active = 0
     for layer in net.layers:

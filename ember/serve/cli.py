@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
                         f"{DEFAULT_MAX_BATCH_SIZE})")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="longest prompt piece prefilled between two decode steps, in tokens (default: the model's "
-                        "weight-read ridge, 2048 for Qwen3-30B-A3B, 512 for dense models; shorter chunks stall "
+                        "weight-read ridge, 4096 for Qwen3-30B-A3B, 512 for dense models; shorter chunks stall "
                         "running streams for less time each but more often)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")

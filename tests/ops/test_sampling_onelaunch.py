@@ -1238,7 +1238,7 @@ def test_gpu_sample_advance_seed_same_tokens_in_a_graph(cuda, B, path):
     """On the GPU (every one-launch path is co-resident there): ``advance_seed`` draws the tokens the
     same per-row seeds draw without it, advances each seed by SEED_STEP, and in a captured graph each
     replay draws the next step's tokens, as eager calls with the advanced seeds do."""
-    seeds0 = [(_WRAP_SEEDS * 8)[r] + r for r in range(B)]
+    seeds0 = _advanced([(_WRAP_SEEDS * 8)[r] + r for r in range(B)])   # (distinct rows, wrapped to int64)
     rows, kw = _advance_seed_case(path, B, cuda)
     every_row = kw.get("every_row")
     x = torch.randn(B, 128256, device=cuda) * 3

@@ -2,11 +2,11 @@
 beside it, exit codes and messages checked; a few in-process runs where a spy must see inside."""
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -200,16 +200,23 @@ def test_ctrl_c_ends_generate_cleanly(ckpt, tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "ember", "generate", "--model", str(path), "--prompt", "the cat",
                           "--max-new-tokens", "200000", "--device", "cpu"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started = threading.Event()
+
+    def drain():  # read everything: a child blocked on a full stdout pipe could not exit on SIGINT
+        while p.stdout.read1(4096):
+            started.set()
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     try:
-        ready, _, _ = select.select([p.stdout], [], [], 120)
-        assert ready, "no output within 120 s"
-        assert p.stdout.read1(1)  # decoding has started
+        assert started.wait(120), "no output within 120 s"  # decoding has started
         time.sleep(0.5)
         p.send_signal(signal.SIGINT)
         rc = p.wait(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
+    reader.join(timeout=10)
     err = p.stderr.read().decode()
     assert rc == 130, err
     assert "Traceback" not in err and "interrupted" in err

@@ -197,9 +197,15 @@ def test_ctrl_c_ends_generate_cleanly(ckpt, tmp_path):
     tcfg = json.loads((path / "tokenizer_config.json").read_text())
     tcfg.pop("eos_token")
     (path / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    inherited = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+    def as_from_a_shell():  # SIGINT delivered and handled, whatever this (test worker) process set
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
     p = subprocess.Popen([sys.executable, "-m", "ember", "generate", "--model", str(path), "--prompt", "the cat",
                           "--max-new-tokens", "200000", "--device", "cpu"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=as_from_a_shell)
     started = threading.Event()
 
     def drain():  # read everything: a child blocked on a full stdout pipe could not exit on SIGINT
@@ -212,7 +218,12 @@ def test_ctrl_c_ends_generate_cleanly(ckpt, tmp_path):
         assert started.wait(120), "no output within 120 s"  # decoding has started
         time.sleep(0.5)
         p.send_signal(signal.SIGINT)
-        rc = p.wait(timeout=60)
+        try:
+            rc = p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"generate ignored SIGINT for 60 s (the test process's SIGINT handler and "
+                                 f"blocked signals: {inherited}); stderr: {p.stderr.read().decode()[-2000:]}")
     finally:
         if p.poll() is None:
             p.kill()

@@ -81,8 +81,7 @@ def _sample_rows(ctx, data, seed, offset) -> list[Row]:
 def _engine_rows(ctx, data) -> list[Row]:
     """The draw the decode graph runs (``engine.sample_step``: per-row tensors, per-row seeds that the
     sampler's kernel advances after the draw, the batch's ``every_row`` mode from ``sampling_mode``
-    as the engine derives it)
-    at one row, against the scalar call the rows above time."""
+    as the engine derives it) at one row, against the scalar call the rows above time."""
     from ember.engine import SamplingParams, every_row_promise, sample_step, sampling_mode
     dev, rows = ctx.device, []
     V = data[0].shape[1]

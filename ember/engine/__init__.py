@@ -656,8 +656,6 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-
-
 def sample_step(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, seed: torch.Tensor, every_row: str | None = None) -> torch.Tensor:
     """One engine draw over ``logits [B, V]``: ``ember.ops.sample`` with per-row parameter tensors and

@@ -193,8 +193,9 @@ def _attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, star
     """Causal attention of T queries at positions start..start+T-1 over k, v [B, KVH, start+T, D]:
     query i sees keys 0..start+i, the causal mask aligned bottom-right (SDPA's ``is_causal`` aligns it
     top-left). ``causal_lower_right`` keeps the flash kernel, where an explicit boolean mask took the
-    masked kernels (H200, Qwen3-30B-A3B, an 8,192-token prompt's second 4,096-token chunk: TTFT
-    1,009 ms with the mask, peak memory +8 GB); kv heads are repeated, as that kernel takes no GQA flag."""
+    masked kernels (H200, Qwen3-30B-A3B, ``ember bench serve`` with the mask: an 8,192-token prompt in
+    two 4,096-token chunks reached its first token in 1,009 ms, and the row peaked 8 GB above the
+    others; not yet re-measured with this). kv heads are repeated, as that kernel takes no GQA flag."""
     from torch.nn.attention.bias import causal_lower_right
     T, S = q.shape[2], k.shape[2]
     groups = q.shape[1] // k.shape[1]

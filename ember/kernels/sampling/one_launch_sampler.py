@@ -169,9 +169,9 @@ def _piece_maxima_exact(xrow, V, t, n_pieces, PIECE: tl.constexpr, QB: tl.conste
 
 @triton.jit
 def _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, out_ptr, t, t1, k, p, minp, seed,
-                 seed_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SEED_MODE: tl.constexpr, SUB: tl.constexpr, QB: tl.constexpr,
-                 CHUNK: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
-                 SMALL_SORT: tl.constexpr, RESERVE_SEM: tl.constexpr):
+                 seed_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SEED_MODE: tl.constexpr, SUB: tl.constexpr,
+                 QB: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, KC: tl.constexpr,
+                 FALLBACK_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, RESERVE_SEM: tl.constexpr):
     """``_sample_row`` after the barrier for a top-k row (k > 0, t > 0; rows whose top-k the host cannot
     see, per-row tensors or waves; scalar top-k takes ``_topk_tagged_row``): program c holds chunk z of
     max m. The bound L (k-th largest piece max) and the row max M come from the published piece
@@ -376,8 +376,7 @@ def _sample_row(row, c, off, x_ptr, stride_x, V, P, n_programs, m_ptr, s_ptr, a_
         # max and sum (_combine_stats, one more dependent read of the partials) are not needed
         _topk_sample(row, c, z, cols, inb, m, off, x_ptr, stride_x, V, P, ms_ptr, out_ptr, t, t1, k, p, minp,
                      seed, seed_ptr, cnt_ptr, cand_z_ptr, cand_i_ptr, gave_up, SEED_MODE, SUB, QB, CHUNK, CAP, KC,
-                     FALLBACK_BLOCK,
-                     SMALL_SORT, RESERVE_SEM)
+                     FALLBACK_BLOCK, SMALL_SORT, RESERVE_SEM)
     else:
         M, Z, first_chunk, chunk_max = _combine_stats(m_ptr, s_ptr, row, P, PB, ".cg")
         if gave_up:  # the whole row from HBM (slow, exact, counted above)

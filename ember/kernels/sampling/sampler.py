@@ -95,9 +95,9 @@ def sample(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, top_p, min_p
 
     ``seed`` is an int or an int64 tensor of 1 or ``rows`` elements; ``offset`` an int, None, or a
     one-element int64 tensor that each call advances by one; ``advance_seed``: ``seed`` holds one
-    seed per row, and each row's finisher adds SEED_STEP to it after the draw. Long rows on a GPU take one launch
-    (``sample_one_launch``): all rows at once when ``fit_split`` fits them, else in waves when
-    ``waves_pay``; everything else takes ``sample_two_launch``.
+    seed per row, and each row's finisher adds SEED_STEP to it after the draw. Long rows on a GPU
+    take one launch (``sample_one_launch``): all rows at once when ``fit_split`` fits them, else in
+    waves when ``waves_pay``; everything else takes ``sample_two_launch``.
     """
     B, V = x2.shape
     if V > ROW_BLOCK_MAX and _one_launch_enabled(x2):

@@ -8,10 +8,18 @@ lm_head = 6.13 GB -> 1.48 ms/token = 677 tok/s at batch 1 (FP8 weights, bf16 lm_
 Batch 8 reads up to 8x more experts (~3.6x on average with 128 experts, top-8) for 8x the tokens.
 Prefill 2048 tokens: 2 x 3.3 G x 2048 = 13.7 TFLOP -> 17 ms at 790 TFLOP/s (compute bound).
 
-Rows (issue 5): qwen3_moe_30b_a3b_bf16_b1, _fp8_b1, _bf16_b8 (aggregate tok/s),
-_bf16_prefill2048 (tok/s); each records HF's figures. The b1 row also records warm-up to the first
-token in fresh processes, from an empty and from a warm Triton cache (``warmup_cold_s`` /
-``warmup_s``, with what the compiles and captures took: bench/_first_token.py).
+Rows (targets restated by issue 34; each row records ``fraction_of_roofline``, its tok/s against
+the bytes the step reads, KV cache at the mean context included, at 4.155 TB/s, and ``e2e_tok_s``,
+the new tokens of the first ``model.generate`` after warm-up over its wall clock, prefill included):
+  * ``qwen3_moe_30b_a3b_bf16_b1``: >= 80 % of the bandwidth limit, ``e2e_tok_s`` within 3 % of the
+    row's figure (the engine's decode rate); also warm-up to the first token in fresh processes, from
+    an empty and from a warm Triton cache (``warmup_cold_s`` <= 30 / ``warmup_s`` <= 5, with what the
+    compiles and captures took: bench/_first_token.py).
+  * ``_bf16_b8`` (aggregate tok/s): >= 90 % of the uniform-routing bound, computed in the row from
+    E(1 - (1 - k/E)^8) distinct experts a layer (``step_bytes``).
+  * ``_fp8_b1``: >= 900 tok/s with the bf16 lm_head FP8 checkpoints ship (an fp8-head figure beside).
+  * ``_bf16_prefill2048`` (tok/s): >= 2x HF's forward.
+HF's figures sit in each row (the b1 rows' ``baseline``); a CPU (``--quick``) run judges nothing.
 ``ember bench moe --hf-compile`` also times HF's static cache + torch.compile generate (~70 s of
 compilation, timed separately); ``--variants`` times the decode step's variants (STEP_VARIANTS)
 beside the default.
@@ -27,6 +35,9 @@ from ember.bench import BenchContext, Row, _timing, variant
 
 COPY_BW = 4.155e12
 PROMPT, NEW = 128, 256
+# issue 34's targets: the b1 rows at 80 % of the bandwidth limit with model.generate's wall-clock rate
+# within 3 % of the engine's; b8 at 90 % of the uniform-routing bound; fp8 b1 at 900 tok/s
+B1_FRACTION, E2E_FRACTION, B8_FRACTION, FP8_TOK_S = 0.8, 0.97, 0.9, 900.0
 
 
 def make_hf(quick: bool, device):
@@ -63,8 +74,10 @@ def ember_from_hf(hf, cfg, *, fp8=False, max_seq_len=512, max_batch_size=1, net=
     return Model(net, cfg.to_dict(), None, max_seq_len=max_seq_len, max_batch_size=max_batch_size, fp8=fp8)
 
 
-def decode_bytes(net) -> int:
-    """Weight bytes one batch-1 decode step reads (active experts only)."""
+def decode_bytes(net, batch: int = 1) -> float:
+    """Weight bytes one decode step of ``batch`` tokens reads: the attention projections, routers and
+    lm_head once, and per MoE layer E * (1 - (1 - k/E)^batch) distinct experts (each token routed
+    uniformly to k of E experts; exactly k at batch 1)."""
     total = net.lm_head.weight.numel() * net.lm_head.weight.element_size()
     for layer in net.layers:
         a = layer.attn
@@ -72,12 +85,26 @@ def decode_bytes(net) -> int:
             total += lin.weight.numel() * lin.weight.element_size()
         m = layer.mlp
         if hasattr(m, "w_gate_up"):
-            E = m.w_gate_up.shape[0]
+            E, k = m.w_gate_up.shape[0], m.top_k
+            distinct = E * (1 - (1 - k / E) ** batch)
             total += m.router.numel() * m.router.element_size()
-            total += m.top_k * (m.w_gate_up.numel() + m.w_down.numel()) // E * m.w_gate_up.element_size()
+            total += distinct * (m.w_gate_up.numel() + m.w_down.numel()) / E * m.w_gate_up.element_size()
         else:
             total += sum(p.numel() * p.element_size() for p in m.parameters())
     return total
+
+
+def step_bytes(model, batch: int, context: float) -> float:
+    """Bytes one decode step of ``batch`` rows reads: ``decode_bytes`` plus the KV cache of ``batch``
+    rows at ``context`` tokens each (the uniform-routing bound's numerator: ``ember bench moe`` b8 and
+    ``ember bench serve``).
+
+    Example:
+        >>> step_bytes(model, 8, 640) / 4.155e12 * 1e3   # ms at the H200's copy bandwidth
+    """
+    per_token = sum(t.numel() * t.element_size() for layer in model.caches for t in layer) / (
+        model.max_batch_size * model.max_seq_len)  # KV bytes of one cached token, every layer
+    return decode_bytes(model.net, batch) + batch * context * per_token
 
 
 def hf_decode_tok_s(model, ids, new_tokens, **kw) -> float:
@@ -262,22 +289,24 @@ def run(ctx: BenchContext) -> list[Row]:
                          warmup_target="warm <= 5 s, cold <= 30 s",
                          warmup_meets=first["warm"]["first_token_s"] <= 5 and first["cold"]["first_token_s"] <= 30,
                          warmup_runs=first)
+    context = prompt_len + new / 2  # the decode's mean context
+    floor_ms = step_bytes(em, 1, context) / COPY_BW * 1e3
+    extra.update(floor_ms=floor_ms, roofline_tok_s=1e3 / floor_ms, fraction_of_roofline=r["tok_s"] * floor_ms / 1e3,
+                 e2e_vs_engine=r["e2e_tok_s"] / r["tok_s"])
     if ctx.on_gpu:
         step_ms = graph_step_ms(em, 1)
-        floor_ms = decode_bytes(em.net) / COPY_BW * 1e3
-        extra.update(graph_step_ms=step_ms, floor_ms=floor_ms, fraction_of_roofline=floor_ms / step_ms,
-                     roofline_tok_s=1e3 / floor_ms)
+        extra.update(graph_step_ms=step_ms, graph_step_fraction_of_roofline=floor_ms / step_ms)
         print(f"bf16 b1: {r['tok_s']:.1f} tok/s, step {step_ms:.3f} ms, floor {floor_ms:.3f} ms", flush=True)
-        if r["tok_s"] < 400:
+        if r["tok_s"] < B1_FRACTION / floor_ms * 1e3:
             extra.update(breakdown_us(em))
         if ctx.variants:
             extra["graph_step_ms_variants"] = step_variants(hf, cfg, em, ids, prompt_len + new + 8)
-    meets = r["tok_s"] >= 400 and r["tok_s"] >= 5 * hf_best
-    if hf_compiled is None:  # HF's fastest setting not measured: the 5x part cannot be judged
-        meets = False if r["tok_s"] < 400 else None
-        extra["note"] = "5x not judged: HF static cache + torch.compile not measured (ember bench moe --hf-compile)"
+    # the floors are H200 figures: a CPU (quick) run judges nothing
+    meets = (r["tok_s"] >= B1_FRACTION * extra["roofline_tok_s"] and r["e2e_tok_s"] >= E2E_FRACTION * r["tok_s"]
+             if ctx.on_gpu and not quick else None)
     rows.append(Row("qwen3_moe_30b_a3b_bf16_b1", "tok/s", r["tok_s"], hf_best, "HF transformers 5.17 generate (faster of default / static+compile)",
-                    target=">= 400 tok/s and >= 5x HF", meets=meets, extra=extra))
+                    target=f">= {B1_FRACTION * 100:.0f} % of the bandwidth limit (bytes / 4.155 TB/s) and e2e_tok_s "
+                           f"within {(1 - E2E_FRACTION) * 100:.0f} % of it", meets=meets, extra=extra))
 
     _print_row(rows[-1])
     for fn in (_b8_row, _prefill_row):
@@ -299,9 +328,15 @@ def _b8_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
     prompts8 = torch.randint(100, 500, (B8, prompt_len), generator=gen).tolist()
     r8 = ember_decode(em8, prompts8, new)
     agg = r8["tok_s"] * B8
-    return Row(f"qwen3_moe_30b_a3b_bf16_b{B8}", "tok/s", agg, hf_best, "HF generate batch 1 (tok/s)",
-               target=">= 1600 aggregate tok/s", meets=agg >= 1600,
-               extra={"per_row_tok_s": r8["tok_s"], "graph_step_ms": graph_step_ms(em8, B8) if ctx.on_gpu else None})
+    bound_step_ms = step_bytes(em8, B8, prompt_len + new / 2) / COPY_BW * 1e3
+    bound = B8 / bound_step_ms * 1e3
+    return Row(f"qwen3_moe_30b_a3b_bf16_b{B8}", "tok/s", agg, bound,
+               f"uniform-routing bandwidth bound at batch {B8} (E(1-(1-k/E)^{B8}) distinct experts a layer, "
+               "4.155 TB/s)", target=f">= {B8_FRACTION * 100:.0f} % of the bound",
+               meets=agg >= B8_FRACTION * bound if ctx.on_gpu and not quick else None,
+               extra={"per_row_tok_s": r8["tok_s"], "fraction_of_bound": agg / bound, "bound_step_ms": bound_step_ms,
+                      "e2e_tok_s": r8["e2e_tok_s"], "hf_b1_tok_s": hf_best,
+                      "graph_step_ms": graph_step_ms(em8, B8) if ctx.on_gpu else None})
 
 
 def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
@@ -339,23 +374,27 @@ def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
 
 def _fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default):
     ctx.progress("ember fp8 b1")
+    target = f">= {FP8_TOK_S:.0f} tok/s (bf16 lm_head)"
+    quick = ctx.quick or not ctx.on_gpu
     try:
         em_fp8 = ember_from_hf(hf, cfg, fp8=True, max_seq_len=prompt_len + new + 8)
         rf = ember_decode(em_fp8, [ids[0].tolist()], new)
-        extra = {"hf_default_tok_s": hf_default, "warmup_in_process_s": rf["warmup_s"]}
+        floor_ms = step_bytes(em_fp8, 1, prompt_len + new / 2) / COPY_BW * 1e3
+        extra = {"hf_default_tok_s": hf_default, "warmup_in_process_s": rf["warmup_s"], "e2e_tok_s": rf["e2e_tok_s"],
+                 "e2e_vs_engine": rf["e2e_tok_s"] / rf["tok_s"], "floor_ms": floor_ms, "roofline_tok_s": 1e3 / floor_ms,
+                 "fraction_of_roofline": rf["tok_s"] * floor_ms / 1e3}
         if ctx.on_gpu:
             step_ms = graph_step_ms(em_fp8, 1)
-            floor_ms = decode_bytes(em_fp8.net) / COPY_BW * 1e3
-            extra.update(graph_step_ms=step_ms, floor_ms=floor_ms, fraction_of_roofline=floor_ms / step_ms)
+            extra.update(graph_step_ms=step_ms, graph_step_fraction_of_roofline=floor_ms / step_ms)
         try:  # a reported extra: its failure must not zero the row's own figure
             extra.update(_fp8_lm_head_figures(em_fp8, hf, cfg, ids, new, prompt_len, ctx.on_gpu))
         except Exception as e:
             extra["fp8_lm_head_error"] = repr(e)[:300]
         return Row("qwen3_moe_30b_a3b_fp8_b1", "tok/s", rf["tok_s"], hf_best, "HF generate bf16 (faster setting)",
-                   target=">= 600 tok/s", meets=rf["tok_s"] >= 600, extra=extra)
+                   target=target, meets=rf["tok_s"] >= FP8_TOK_S if not quick else None, extra=extra)
     except Exception as e:
         return Row("qwen3_moe_30b_a3b_fp8_b1", "tok/s", 0.0, hf_best, "HF generate bf16 (faster setting)",
-                   target=">= 600 tok/s", meets=False, extra={"error": repr(e)[:300]})
+                   target=target, meets=False, extra={"error": repr(e)[:300]})
 
 
 def _fp8_lm_head_figures(em_fp8, hf, cfg, ids, new, prompt_len, on_gpu: bool) -> dict:

@@ -1,9 +1,9 @@
 """``ember bench moe_hybrid``: batch-1 decode of the hybrid MoE families, LFM2-8B-A1B and
 Qwen3.5-35B-A3B, ember vs Hugging Face transformers in the same process, full-size random weights
-built on the GPU as shared/reference/baseline_h200.py's make_model does (rows for issue 6, to be
-merged into bench/results/h200/moe.json).
+built on the GPU as shared/reference/baseline_h200.py's make_model does.
 
-Floor (H200, 4.15 TB/s; weights read per token, active experts only, lm_head included):
+Floor (H200, 4.155 TB/s; weights read per token, active experts only, lm_head included; ``step_bytes``
+adds the KV cache at the mean context and the conv / recurrent states, read and written):
 * LFM2-8B-A1B (24 layers, 6 attention; 2 dense MLPs 3x2048x7168; 22 MoE layers, 4 of 32 experts of
   3x2048x1792; conv in/out 4x2048x2048; tied 65536x2048 lm_head): ~1.56 G params = 3.1 GB bf16
   -> 0.75 ms -> ~1,330 tok/s (FP8 weights, bf16 lm_head: ~1.7 GB, ~2,400 tok/s).
@@ -11,17 +11,19 @@ Floor (H200, 4.15 TB/s; weights read per token, active experts only, lm_head inc
   a shared one; DeltaNet projections 2048x16448 + 4096x2048; 248320x2048 lm_head): ~2.94 G params
   = 5.9 GB bf16 -> 1.42 ms -> ~700 tok/s (FP8: ~3.5 GB, ~1,200 tok/s). The recurrent states
   (30 x 32 x 128 x 128 fp32 = 63 MB read and written) add ~3%.
-FLOPs are negligible at batch 1 (~6 GFLOP/token -> 8 us at 790 TFLOP/s). transformers' static cache
-+ torch.compile runs for both families (H200: LFM2 123 tok/s, Qwen3.5 60 tok/s), so the targets'
-30x / 40x of HF's fastest setting (3,690 / 2,411 tok/s) lie above these floors.
+FLOPs are negligible at batch 1 (~6 GFLOP/token -> 8 us at 790 TFLOP/s).
 
-ember is timed as one decode step (embedding, all layers, final norm, lm_head, argmax; the engine
-adds its sampler) captured once in a CUDA graph and replayed per token after a 128-token prefill;
-transformers as ``generate`` (default experts and eager experts; decode rate from the time of n+1
-tokens minus 1 token, as baseline_h200.py measures); with ``--hf-compile`` also with a static cache +
+Rows (issue 34): ``<family>_bf16_b1`` >= 80 % of the bandwidth limit (LFM2 ~1,070, Qwen3.5 ~565
+tok/s; the earlier 30x / 40x of HF's fastest setting lay above these floors); ``<family>_fp8_b1``
+reported, aiming at 1.5x its bf16 row. ember is timed as a user runs it: the engine's Model
+(``model.warmup()``, then ``model.generate`` of 256 new tokens after a 128-token prompt, greedy);
+the row's figure is the engine's decode rate, ``e2e_tok_s`` the call's wall-clock rate with prefill
+included, ``graph_step_ms`` a replay of the decode graph it ran (CUDA events). transformers runs
+``generate`` (default experts and eager experts; decode rate from the time of n+1 tokens minus 1
+token, as baseline_h200.py measures); with ``--hf-compile`` also with a static cache +
 torch.compile (the rate of a second identical generate, as ``ember bench moe`` times it), recorded
 as an error where transformers does not support it for the model. ``--variants`` also times the
-bf16 decode under the VARIANTS below.
+bf16 decode under the VARIANTS below. A CPU (``--quick``) run judges nothing.
 """
 from __future__ import annotations
 
@@ -33,18 +35,21 @@ from ember.bench import BenchContext, Row, variant
 from ember.bench import moe as moe_bench
 
 COPY_BW = 4.155e12
-PROMPT, STEPS, HF_NEW = 128, 128, 16
-TARGETS = {"lfm2_moe_8b_a1b": (600.0, 30.0), "qwen3_5_moe_35b_a3b": (300.0, 40.0)}
+PROMPT, STEPS, HF_NEW = 128, 256, 16
+# issue 34: the bf16 rows at 80 % of the bandwidth limit (the earlier 30x / 40x of HF lay above it);
+# the fp8 rows are reported, aiming at 1.5x their bf16 row
+BF16_FRACTION, FP8_AIM = 0.8, 1.5
 # Variants of the bf16 decode timed beside the default (``bench.variant``: switches and tile data
 # read while the step is captured): the generic tile entries and the dependent-launch kill switch.
 VARIANTS = {"generic_tiles": {"switches": {"EMBER_TUNING": "generic"}}, "pdl_off": {"switches": {"EMBER_PDL": False}}}
 
 
-def _variant_tok_s(net, ids, steps, spec: dict) -> float | str:
-    """bf16 decode tok/s with the graph captured and replayed inside ``variant(spec)``."""
+def _variant_tok_s(net, cfg, ids, steps, spec: dict) -> float | str:
+    """bf16 decode tok/s of a fresh engine Model on ``net`` whose graphs are captured inside ``variant(spec)``."""
     try:
         with variant(spec):
-            return ember_decode(net, ids, steps)["tok_s"]
+            return moe_bench.ember_decode(engine_model(net, cfg, ids.shape[1] + steps + 8), [ids[0].tolist()],
+                                          steps)["tok_s"]
     except Exception as e:  # recorded, not fatal
         return repr(e)[:200]
 
@@ -108,50 +113,20 @@ def hf_decode_tok_s(model, ids, new_tokens: int) -> float:
     return moe_bench.hf_decode_tok_s(model, ids, new_tokens, attention_mask=torch.ones_like(ids))
 
 
-def ember_decode(net, ids: torch.Tensor, steps: int) -> dict:
-    """Prefill, then ``steps`` greedy decode steps: replays of one captured CUDA graph on the GPU,
-    eager calls elsewhere. Returns tok/s, prefill seconds, capture (warm-up) seconds, the tokens."""
-    dev, on_gpu = net.embed.device, net.embed.device.type == "cuda"
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    caches = net.allocate_caches(1, ids.shape[1] + steps + 8)
-    with torch.no_grad():
-        sync(); t0 = time.perf_counter()
-        first = net.prefill(ids, caches, last_only=True).argmax(-1)
-        sync(); prefill_s = time.perf_counter() - t0
-        tok, pos = first.clone(), torch.tensor([ids.shape[1]], device=dev)
-        lens = (pos + 1).to(torch.int32)
+def engine_model(net, cfg, max_seq_len: int, fp8: bool = False):
+    """The engine's Model over ``net`` (batch 1): what ``ember.load`` gives a user, so the rows time
+    ``model.generate`` and the decode graph it replays."""
+    from ember.engine import Model
+    return Model(net, cfg.to_dict(), None, max_seq_len=max_seq_len, max_batch_size=1, fp8=fp8)
 
-        def step():
-            tok.copy_(net.decode(tok, pos, lens, caches).argmax(-1))
-            pos.add_(1)
-            lens.add_(1)
 
-        capture_s, graph = 0.0, None
-        if on_gpu:
-            t0 = time.perf_counter()
-            saved = [t.clone() for t in (tok, pos, lens)] + [t.clone() for layer in caches for t in layer]
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # Triton compiles and autotunes outside the capture
-                    step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            # the warm-up advanced the conv / recurrent states: put the post-prefill state back
-            for t, s in zip([tok, pos, lens] + [t for layer in caches for t in layer], saved):
-                t.copy_(s)
-            del saved
-            sync(); capture_s = time.perf_counter() - t0
-        out = []
-        sync(); t0 = time.perf_counter()
-        for _ in range(steps):
-            graph.replay() if graph is not None else step()
-            out.append(tok.clone())
-        sync(); dt = time.perf_counter() - t0
-    return {"tok_s": steps / dt, "prefill_s": prefill_s, "capture_s": capture_s,
-            "tokens": [first.item()] + torch.cat(out).tolist()}
+def step_bytes(model, context: float) -> float:
+    """Bytes one batch-1 decode step reads: ``decode_bytes``, the attention layers' KV cache at
+    ``context`` tokens, and the conv / recurrent states twice (read, then written back)."""
+    state = {t.data_ptr() for t in model._recurrent_state}
+    kv = sum(t.numel() * t.element_size() for layer in model.caches for t in layer if t.data_ptr() not in state)
+    states = sum(t.numel() * t.element_size() for t in model._recurrent_state)
+    return decode_bytes(model.net) + context * kv / (model.max_batch_size * model.max_seq_len) + 2 * states
 
 
 def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
@@ -195,29 +170,33 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
             t0 = time.perf_counter()
             net = ember_net(hf, cfg, fp8=fp8, max_seq_len=prompt + steps + 8)
             load_s = time.perf_counter() - t0
-            r = ember_decode(net, ids, steps)
-            floor_ms = decode_bytes(net) / COPY_BW * 1e3
-            extra = dict(extra_hf, prefill_s=r["prefill_s"], warmup_s=r["capture_s"], load_s=load_s,
-                         floor_ms=floor_ms, roofline_tok_s=1e3 / floor_ms,
-                         fraction_of_roofline=r["tok_s"] * floor_ms / 1e3, prompt=prompt, decode_steps=steps)
+            model = engine_model(net, cfg, prompt + steps + 8, fp8)
+            r = moe_bench.ember_decode(model, [ids[0].tolist()], steps)
+            floor_ms = step_bytes(model, prompt + steps / 2) / COPY_BW * 1e3
+            extra = dict(extra_hf, prefill_s=r["prefill_s"], warmup_in_process_s=r["warmup_s"], load_s=load_s,
+                         e2e_tok_s=r["e2e_tok_s"], e2e_vs_engine=r["e2e_tok_s"] / r["tok_s"], floor_ms=floor_ms,
+                         roofline_tok_s=1e3 / floor_ms, fraction_of_roofline=r["tok_s"] * floor_ms / 1e3,
+                         prompt=prompt, new_tokens=steps)
+            if ctx.on_gpu:
+                step_ms = moe_bench.graph_step_ms(model, 1)
+                extra.update(graph_step_ms=step_ms, graph_step_fraction_of_roofline=floor_ms / step_ms)
             if not fp8 and ctx.on_gpu and ctx.variants:
-                extra["tok_s_variants"] = {v: _variant_tok_s(net, ids, steps, spec) for v, spec in VARIANTS.items()}
+                extra["tok_s_variants"] = {v: _variant_tok_s(net, cfg, ids, steps, spec) for v, spec in VARIANTS.items()}
                 print(f"{name} variants (tok/s):", extra["tok_s_variants"], flush=True)
-            del net
-            if not fp8:
+            del net, model
+            if not fp8:  # the floors are H200 figures: a CPU (quick) run judges nothing
                 bf16 = r["tok_s"]
-                tok_target, x_target = TARGETS[kind]
-                meets = r["tok_s"] >= tok_target and bool(hf_best) and r["tok_s"] >= x_target * hf_best
-                target = f">= {tok_target:.0f} tok/s and >= {x_target:.0f}x HF's fastest setting"
+                meets = r["tok_s"] >= BF16_FRACTION * extra["roofline_tok_s"] if not quick else None
+                target = f">= {BF16_FRACTION * 100:.0f} % of the bandwidth limit (bytes / 4.155 TB/s)"
             else:
-                meets = bool(bf16) and r["tok_s"] >= 1.4 * bf16
-                target = "report; aim at 1.4x the bf16 row"
+                meets = None
+                target = f"report; aim at {FP8_AIM}x the bf16 row"
                 extra["vs_bf16"] = r["tok_s"] / bf16 if bf16 else None
             rows.append(Row(name, "tok/s", r["tok_s"], hf_best,
                             f"HF transformers generate bf16 ({hf_best_name}, the fastest setting that ran)",
                             target=target, meets=meets, extra=extra))
         except Exception as e:
-            net = None  # a failed row must not keep its weights alive through the next one
+            net = model = None  # a failed row must not keep its weights alive through the next one
             rows.append(Row(name, "tok/s", 0.0, hf_best, "HF transformers generate bf16", meets=False,
                             extra=dict(extra_hf, error=repr(e)[:400])))
         print("ROW", rows[-1].as_dict(), flush=True)

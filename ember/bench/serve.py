@@ -41,6 +41,7 @@ import time
 import torch
 
 from ember.bench import BenchContext, Row, _timing
+from ember.bench.moe import step_bytes
 
 
 # ----------------------------------------------------------------------------- the load generator (subprocess)
@@ -132,23 +133,6 @@ def latency_stats(results: list[dict]) -> dict:
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     return {"ttft_p50_ms": ms(_pct(ttft, 0.5)), "ttft_p99_ms": ms(_pct(ttft, 0.99)),
             "tpot_p50_ms": ms(_pct(gaps, 0.5)), "tpot_p99_ms": ms(_pct(gaps, 0.99))}
-
-
-def step_bytes(model, batch: int, context: float) -> float:
-    """Bytes one decode step of ``batch`` rows reads under uniform routing (see the module doc)."""
-    net = model.net
-    total = net.lm_head.weight.numel() * net.lm_head.weight.element_size()
-    for layer in net.layers:
-        a = layer.attn
-        total += sum(lin.weight.numel() * lin.weight.element_size() for lin in (a.qkv, a.o))
-        m = layer.mlp
-        E, k = m.w_gate_up.shape[0], m.top_k
-        distinct = E * (1 - (1 - k / E) ** batch)
-        total += m.router.numel() * m.router.element_size()
-        total += distinct * (m.w_gate_up.numel() + m.w_down.numel()) // E * m.w_gate_up.element_size()
-    per_token = sum(t.numel() * t.element_size() for layer in model.caches for t in layer) / (
-        model.max_batch_size * model.max_seq_len)  # KV bytes of one cached token, every layer
-    return total + batch * context * per_token
 
 
 def _prompts(gen, n: int, length: int, vocab: int) -> list[list[int]]:

@@ -14,8 +14,7 @@ def model():
 
 
 def test_step_bytes_uniform_routing(model):
-    from ember.bench.moe import decode_bytes
-    from ember.bench.serve import step_bytes
+    from ember.bench.moe import decode_bytes, step_bytes
     # one token reads exactly top_k experts a layer: the moe suite's batch-1 count
     assert step_bytes(model, 1, 0) == pytest.approx(decode_bytes(model.net), rel=1e-12)
     kv = sum(t.numel() * t.element_size() for layer in model.caches for t in layer) / (4 * 64)

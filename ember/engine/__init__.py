@@ -410,8 +410,12 @@ class Model:
             one["top_p"].fill_(float(sampling.top_p))
             one["min_p"].fill_(float(sampling.min_p))
             one["seed"].fill_(seed)
-            # keyed by the seed alone, as sample_step
-            tok = ember.ops.sample(logits, **one, check=False, every_row=every_row_promise(mode))
+            # the decode step's own call at batch 1 (keyed by the seed alone, advancing it in the
+            # one-element buffer, unused), so the first draw reuses that step's Triton variant rather
+            # than compiling one of its own (sm_90 compiles of the one-launch sampler on a 2-core
+            # host: 12.8 s for top_k, 23.4 s for "any")
+            tok = sample_step(logits, one["temperature"], one["top_k"], one["top_p"], one["min_p"], one["seed"],
+                              every_row=every_row_promise(mode))
         # the key of the row's second draw, set now: the steps that ran over the row while it
         # prefilled advanced its seed too
         self._seed[row] = _wrap64(seed + SEED_STEP)

@@ -374,3 +374,28 @@ def test_gpu_warmup_leaves_nothing_to_capture_or_compile(moe_path, cuda):
     assert compiles == [], compiles[:5]
     assert hs[0].tokens == solo or not ROW_SEEDS
     assert hs[2].tokens == run(sched, list(range(5)), 9)[0].tokens
+
+
+def test_first_token_draw_is_the_decode_steps_batch_1_call(model, monkeypatch):
+    """A request's first draw calls the sampler exactly as the decode step does at batch 1 (per-row
+    tensors, the mode's promise, the seed advanced), so on the GPU it runs the Triton variant the
+    batch-1 step compiled instead of compiling its own."""
+    from ember.ops import sampling as ops_sampling
+    calls = []
+    real = ops_sampling.sample
+
+    def spy(logits, **kw):
+        calls.append((tuple(logits.shape), {k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v
+                                            for k, v in kw.items()}))
+        return real(logits, **kw)
+    monkeypatch.setattr(ember.ops, "sample", spy)
+    sched = Scheduler(model)
+    for sampling in (ember.SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3),
+                     ember.SamplingParams(temperature=0.8, seed=3), ember.SamplingParams(temperature=0.8, top_p=0.5)):
+        calls.clear()
+        run(sched, [1, 2, 3], 3, sampling)
+        # the first token, then the decode steps of the one row (the loop may issue one more step
+        # before it reads that the request has its tokens)
+        assert len(calls) >= 3 and all(c == calls[0] for c in calls), calls
+        assert calls[0][1]["advance_seed"] is True
+    Scheduler(model)

@@ -22,6 +22,8 @@ Example:
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import operator
@@ -344,6 +346,46 @@ class Model:
             self.capture_s += time.perf_counter() - t0
         return graph
 
+    def _compile_draws(self, batch_sizes: Sequence[int]) -> float:
+        """Run the decode step's draw (``sample_step``, or the argmax of a greedy step) once for each
+        batch size and sampling mode, on zero logits and parameters of their own, from a pool of
+        threads; seconds. On a GPU that compiles every Triton sampler variant the decode graphs will
+        launch side by side instead of one after another as each capture reaches it: Triton's
+        compile releases the GIL (sm_90, Triton 3.6, two one-launch samplers on a 2-core host: 16.9 s
+        on two threads, 28.7 s one after the other), and the one-launch sampler's variants are the
+        longest compiles of a warm-up (11.7 s top_k, 22.2 s "any" each, per batch size that fits
+        one launch). The launches all go to the caller's stream, so the device still runs them one
+        at a time (a one-launch sampler needs all its programs resident). The model's state is not
+        touched."""
+        dev = self.device
+        stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        V = self.net.vocab_size
+
+        def draw(B: int, mode: str) -> None:
+            with torch.no_grad(), contextlib.ExitStack() as ctx:
+                if stream is not None:
+                    ctx.enter_context(torch.cuda.device(dev))
+                    ctx.enter_context(torch.cuda.stream(stream))
+                logits = torch.zeros(B, V, dtype=self.dtype, device=dev)
+                if mode == "greedy":
+                    self._argmax(logits)
+                    return
+                s = _FILLERS[mode]
+                row = lambda v, dt: torch.full((B,), v, dtype=dt, device=dev)  # noqa: E731
+                sample_step(logits, row(s.temperature, torch.float32), row(s.top_k, torch.int64),
+                            row(s.top_p, torch.float32), row(s.min_p, torch.float32), row(0, torch.int64),
+                            every_row=every_row_promise(mode))
+
+        t0 = time.perf_counter()
+        tasks = [(B, mode) for B in batch_sizes for mode in SAMPLING_MODES]
+        workers = max(1, min(len(tasks), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ember-compile") as pool:
+            for f in [pool.submit(draw, B, mode) for B, mode in tasks]:
+                f.result()  # the first failure, once every draw has ended
+        if stream is not None:
+            stream.synchronize()
+        return time.perf_counter() - t0
+
     def _decode(self, B: int, mode: str, logprobs: bool) -> None:
         """Run one decode step of rows 0..B-1 (a graph replay on the GPU, eager elsewhere); ``mode``
         (``batch_mode`` of the decoding rows) must hold for every decoding row among them."""
@@ -412,8 +454,8 @@ class Model:
             one["seed"].fill_(seed)
             # the decode step's own call at batch 1 (keyed by the seed alone, advancing it in the
             # one-element buffer, unused), so the first draw reuses that step's Triton variant rather
-            # than compiling one of its own (sm_90 compiles of the one-launch sampler on a 2-core
-            # host: 12.8 s for top_k, 23.4 s for "any")
+            # than compiling one of its own (sm_90 compiles of the one-launch sampler, Triton 3.6 on
+            # a 2-core host: 11.7 s for top_k, 22.2 s for "any")
             tok = sample_step(logits, one["temperature"], one["top_k"], one["top_p"], one["min_p"], one["seed"],
                               every_row=every_row_promise(mode))
         # the key of the row's second draw, set now: the steps that ran over the row while it
@@ -679,8 +721,10 @@ def sample_step(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 
 SAMPLING_MODES = ("greedy", "temperature_only", "top_k", "any")
-# what a row that is not decoding holds under a mode's promise (its token is discarded)
-_FILLERS = {"temperature_only": SamplingParams(temperature=1.0), "top_k": SamplingParams(temperature=1.0, top_k=1)}
+# what a row that is not decoding holds under a mode's promise (its token is discarded); also the
+# parameters of _compile_draws' draws
+_FILLERS = {"temperature_only": SamplingParams(temperature=1.0), "top_k": SamplingParams(temperature=1.0, top_k=1),
+            "any": SamplingParams(temperature=1.0, top_p=0.9)}
 
 
 def sampling_mode(s: SamplingParams, vocab: int) -> str:

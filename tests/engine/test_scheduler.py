@@ -4,6 +4,7 @@ and counts and free their slots, chunked prefill equals whole-prompt prefill, lo
 log-softmax of the cache-free forward, and bad requests / a full queue / a failing step are refused
 or reported instead of hanging."""
 import asyncio
+import threading
 import time
 
 import pytest
@@ -399,3 +400,50 @@ def test_first_token_draw_is_the_decode_steps_batch_1_call(model, monkeypatch):
         assert len(calls) >= 3 and all(c == calls[0] for c in calls), calls
         assert calls[0][1]["advance_seed"] is True
     Scheduler(model)
+
+
+def test_compile_draws_runs_every_bucket_and_mode_and_leaves_the_model_alone(model, monkeypatch):
+    """Warm-up's parallel draws: one per (batch size, sampling mode), each under the promise its mode
+    gives (the sampler validates it when checking), from pool threads; the rows' state is untouched."""
+    from ember import engine
+    from ember.ops import sampling as ops_sampling
+    seen, argmaxes = [], []
+    real_sample = ops_sampling.sample
+
+    def checked(logits, **kw):
+        seen.append((logits.shape[0], kw["every_row"], kw["advance_seed"], threading.current_thread().name))
+        return real_sample(logits, **dict(kw, check=True))  # check=True: the promise is validated
+    monkeypatch.setattr(ember.ops, "sample", checked)
+    real_argmax = model._argmax
+    monkeypatch.setattr(model, "_argmax", lambda x: argmaxes.append(x.shape[0]) or real_argmax(x))
+    state = [t.clone() for t in (model._tokens, model._positions, model._seed, model._temperature, model._top_k)]
+    assert model._compile_draws([1, 2, 4]) >= 0
+    assert sorted(argmaxes) == [1, 2, 4]
+    want = {(B, engine.every_row_promise(mode), True) for B in (1, 2, 4) for mode in engine.SAMPLING_MODES
+            if mode != "greedy"}
+    assert {s[:3] for s in seen} == want and len(seen) == len(want)
+    assert all(s[3].startswith("ember-compile") for s in seen)
+    for t, s in zip((model._tokens, model._positions, model._seed, model._temperature, model._top_k), state):
+        assert torch.equal(t, s)
+    for mode, filler in engine._FILLERS.items():
+        assert engine.sampling_mode(filler, model.net.vocab_size) == mode
+
+
+@pytest.mark.gpu
+def test_gpu_compile_draws_leave_the_captures_no_sampler_to_compile(moe_path, cuda):
+    """After warm-up's parallel draws, capturing every decode graph compiles the model's kernels but
+    no sampler or argmax variant: the draws ran exactly the launches the graphs make."""
+    from triton import knobs
+    m = ember.load(moe_path, device=cuda, dtype=torch.bfloat16, max_seq_len=256, max_batch_size=4)
+    sched = Scheduler(m, prefill_chunk=32)
+    assert m._compile_draws(sched.buckets) > 0
+    compiles = []
+    old_hook = knobs.runtime.jit_post_compile_hook
+    try:
+        knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiles.append(
+            (getattr(k.get("fn"), "module", ""), k.get("repr"))) or None
+        sched.warmup()
+    finally:
+        knobs.runtime.jit_post_compile_hook = old_hook
+    assert compiles, "the hook saw no compile at all (the model's own kernels compile in the captures)"
+    assert [c for c in compiles if c[0].startswith("ember.kernels.sampling")] == []

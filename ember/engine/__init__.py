@@ -346,42 +346,55 @@ class Model:
             self.capture_s += time.perf_counter() - t0
         return graph
 
-    def _compile_draws(self, batch_sizes: Sequence[int]) -> float:
-        """Run the decode step's draw (``sample_step``, or the argmax of a greedy step) once for each
-        batch size and sampling mode, on zero logits and parameters of their own, from a pool of
-        threads; seconds. On a GPU that compiles every Triton sampler variant the decode graphs will
-        launch side by side instead of one after another as each capture reaches it: Triton's
-        compile releases the GIL (sm_90, Triton 3.6, two one-launch samplers on a 2-core host: 16.9 s
-        on two threads, 28.7 s one after the other), and the one-launch sampler's variants are the
-        longest compiles of a warm-up (11.7 s top_k, 22.2 s "any" each, per batch size that fits
-        one launch). The launches all go to the caller's stream, so the device still runs them one
-        at a time (a one-launch sampler needs all its programs resident). The model's state is not
-        touched."""
+    def _compile_ahead(self, batch_sizes: Sequence[int]) -> float:
+        """Run, from a pool of threads, one eager decode step of each batch size (rows at the scratch
+        position, tokens 0) and the step's draw (``sample_step``, or a greedy step's argmax) for each
+        batch size and sampling mode on zero logits; seconds. On a GPU that compiles every Triton
+        variant the decode graphs launch side by side, where the captures would reach them one after
+        another. Triton's compile releases the GIL (sm_90, Triton 3.6, two one-launch samplers on a
+        2-core host: 32.9 s on two threads, 58.7 s one after the other), and a warm-up's longest
+        compiles are the one-launch sampler's (per batch size that fits one launch: 11.7 s top_k,
+        22.2-60 s "any") and the batch-1 gate_up GEMV (13.4 s; the rest of the Qwen3-30B-A3B step 5 s).
+
+        Everything goes to the caller's stream, so the device runs one launch at a time (a
+        one-launch sampler needs all its programs resident). The steps write the scratch position's
+        cache entries, as the captures' warm-up steps do, and the recurrent state is put back. A
+        tensor-parallel net runs only the draws: its steps' collectives must keep the ranks' order."""
         dev = self.device
         stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
         V = self.net.vocab_size
 
-        def draw(B: int, mode: str) -> None:
+        def run(what: str, B: int) -> None:
             with torch.no_grad(), contextlib.ExitStack() as ctx:
                 if stream is not None:
                     ctx.enter_context(torch.cuda.device(dev))
                     ctx.enter_context(torch.cuda.stream(stream))
+                row = lambda v, dt: torch.full((B,), v, dtype=dt, device=dev)  # noqa: E731
+                if what == "step":
+                    self.net.decode(row(0, torch.int64), row(self.max_seq_len - 1, torch.int64), row(1, torch.int32),
+                                    self.caches)
+                    return
                 logits = torch.zeros(B, V, dtype=self.dtype, device=dev)
-                if mode == "greedy":
+                if what == "greedy":
                     self._argmax(logits)
                     return
-                s = _FILLERS[mode]
-                row = lambda v, dt: torch.full((B,), v, dtype=dt, device=dev)  # noqa: E731
+                s = _FILLERS[what]
                 sample_step(logits, row(s.temperature, torch.float32), row(s.top_k, torch.int64),
                             row(s.top_p, torch.float32), row(s.min_p, torch.float32), row(0, torch.int64),
-                            every_row=every_row_promise(mode))
+                            every_row=every_row_promise(what))
 
         t0 = time.perf_counter()
-        tasks = [(B, mode) for B in batch_sizes for mode in SAMPLING_MODES]
+        steps = () if _tensor_parallel() else ("step",)
+        tasks = [(what, B) for B in batch_sizes for what in (*steps, *SAMPLING_MODES)]
+        saved = [t.clone() for t in self._recurrent_state]
         workers = max(1, min(len(tasks), os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ember-compile") as pool:
-            for f in [pool.submit(draw, B, mode) for B, mode in tasks]:
-                f.result()  # the first failure, once every draw has ended
+        try:
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ember-compile") as pool:
+                for f in [pool.submit(run, what, B) for what, B in tasks]:
+                    f.result()  # the first failure, once every task has ended
+        finally:
+            for t, v in zip(self._recurrent_state, saved):
+                t.copy_(v)
         if stream is not None:
             stream.synchronize()
         return time.perf_counter() - t0
@@ -722,7 +735,7 @@ def sample_step(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 SAMPLING_MODES = ("greedy", "temperature_only", "top_k", "any")
 # what a row that is not decoding holds under a mode's promise (its token is discarded); also the
-# parameters of _compile_draws' draws
+# parameters of _compile_ahead's draws
 _FILLERS = {"temperature_only": SamplingParams(temperature=1.0), "top_k": SamplingParams(temperature=1.0, top_k=1),
             "any": SamplingParams(temperature=1.0, top_p=0.9)}
 
@@ -763,6 +776,12 @@ def batch_mode(modes) -> str:
     """
     modes = set(modes)
     return modes.pop() if len(modes) == 1 else "any"
+
+
+def _tensor_parallel() -> bool:
+    """Whether this process is one rank of several (ember.distributed): its decode steps hold collectives."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _wrap64(x: int) -> int:

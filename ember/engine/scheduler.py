@@ -692,7 +692,7 @@ class Scheduler:
         if m.device.type != "cuda":
             return 0.0  # nothing to capture or compile on the reference path
         t0 = time.perf_counter()
-        m._compile_draws(self.buckets)  # the samplers' Triton compiles side by side, before the captures
+        m._compile_ahead(self.buckets)  # the steps' and samplers' Triton compiles side by side, before the captures
         for B in self.buckets:
             for mode in SAMPLING_MODES:
                 m._graph(B, mode, False)

@@ -402,48 +402,79 @@ def test_first_token_draw_is_the_decode_steps_batch_1_call(model, monkeypatch):
     Scheduler(model)
 
 
-def test_compile_draws_runs_every_bucket_and_mode_and_leaves_the_model_alone(model, monkeypatch):
-    """Warm-up's parallel draws: one per (batch size, sampling mode), each under the promise its mode
-    gives (the sampler validates it when checking), from pool threads; the rows' state is untouched."""
+def test_compile_ahead_runs_every_bucket_and_mode_and_leaves_the_model_alone(model, monkeypatch):
+    """Warm-up's parallel compiles: one eager decode step per batch size and one draw per (batch size,
+    sampling mode), each under the promise its mode gives (the sampler validates it when checking),
+    from pool threads; the rows' state is untouched. A tensor-parallel rank runs the draws only."""
     from ember import engine
     from ember.ops import sampling as ops_sampling
-    seen, argmaxes = [], []
+    seen, argmaxes, steps = [], [], []
     real_sample = ops_sampling.sample
 
     def checked(logits, **kw):
         seen.append((logits.shape[0], kw["every_row"], kw["advance_seed"], threading.current_thread().name))
         return real_sample(logits, **dict(kw, check=True))  # check=True: the promise is validated
     monkeypatch.setattr(ember.ops, "sample", checked)
-    real_argmax = model._argmax
+    real_argmax, real_decode = model._argmax, model.net.decode
     monkeypatch.setattr(model, "_argmax", lambda x: argmaxes.append(x.shape[0]) or real_argmax(x))
+
+    def decode(tokens, positions, seq_lens, caches):
+        steps.append((tokens.shape[0], positions.tolist(), threading.current_thread().name))
+        return real_decode(tokens, positions, seq_lens, caches)
+    monkeypatch.setattr(model.net, "decode", decode)
     state = [t.clone() for t in (model._tokens, model._positions, model._seed, model._temperature, model._top_k)]
-    assert model._compile_draws([1, 2, 4]) >= 0
+    assert model._compile_ahead([1, 2, 4]) >= 0
     assert sorted(argmaxes) == [1, 2, 4]
+    assert sorted(s[0] for s in steps) == [1, 2, 4]
+    assert all(p == [model.max_seq_len - 1] * len(p) for _, p, _ in steps)  # the scratch position only
     want = {(B, engine.every_row_promise(mode), True) for B in (1, 2, 4) for mode in engine.SAMPLING_MODES
             if mode != "greedy"}
     assert {s[:3] for s in seen} == want and len(seen) == len(want)
-    assert all(s[3].startswith("ember-compile") for s in seen)
+    assert all(s[-1].startswith("ember-compile") for s in seen + steps)
     for t, s in zip((model._tokens, model._positions, model._seed, model._temperature, model._top_k), state):
         assert torch.equal(t, s)
     for mode, filler in engine._FILLERS.items():
         assert engine.sampling_mode(filler, model.net.vocab_size) == mode
+    steps.clear()
+    monkeypatch.setattr(engine, "_tensor_parallel", lambda: True)
+    model._compile_ahead([1])
+    assert steps == []
+
+
+def test_compile_ahead_puts_a_hybrids_recurrent_state_back(lfm2_path):
+    """The steps run over the conv / recurrent state of rows 0..B-1 in place; it is restored."""
+    m = ember.load(lfm2_path, device="cpu", max_seq_len=32, max_batch_size=2)
+    assert m._recurrent_state
+    g = torch.Generator().manual_seed(0)
+    for t in m._recurrent_state:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    before = [t.clone() for t in m._recurrent_state]
+    m._compile_ahead([1, 2])
+    assert all(torch.equal(a, b) for a, b in zip(m._recurrent_state, before))
 
 
 @pytest.mark.gpu
-def test_gpu_compile_draws_leave_the_captures_no_sampler_to_compile(moe_path, cuda):
-    """After warm-up's parallel draws, capturing every decode graph compiles the model's kernels but
-    no sampler or argmax variant: the draws ran exactly the launches the graphs make."""
+def test_gpu_compile_ahead_leaves_the_captures_nothing_to_compile(moe_path, cuda):
+    """After warm-up's parallel compiles, capturing every decode graph (each bucket, sampling mode and
+    logprobs variant) compiles no Triton kernel: the threads ran exactly the launches the graphs make."""
     from triton import knobs
+    from ember.engine import SAMPLING_MODES
     m = ember.load(moe_path, device=cuda, dtype=torch.bfloat16, max_seq_len=256, max_batch_size=4)
     sched = Scheduler(m, prefill_chunk=32)
-    assert m._compile_draws(sched.buckets) > 0
     compiles = []
     old_hook = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiles.append(k.get("repr")) or None
     try:
-        knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiles.append(
-            (getattr(k.get("fn"), "module", ""), k.get("repr"))) or None
-        sched.warmup()
+        assert m._compile_ahead(sched.buckets) > 0
+        assert compiles, "the hook saw no compile at all"
+        compiles.clear()
+        with torch.no_grad():
+            for B in sched.buckets:
+                for mode in SAMPLING_MODES:
+                    m._graph(B, mode, False)
+                for mode in ("greedy", "any"):
+                    m._graph(B, mode, True)
     finally:
         knobs.runtime.jit_post_compile_hook = old_hook
-    assert compiles, "the hook saw no compile at all (the model's own kernels compile in the captures)"
-    assert [c for c in compiles if c[0].startswith("ember.kernels.sampling")] == []
+    assert compiles == [], compiles[:5]
+    assert len(m._graphs) == len(sched.buckets) * 6

@@ -346,10 +346,11 @@ class Model:
             self.capture_s += time.perf_counter() - t0
         return graph
 
-    def _compile_ahead(self, batch_sizes: Sequence[int]) -> float:
+    def _compile_ahead(self, batch_sizes: Sequence[int], prefill_lengths: Sequence[int] = ()) -> float:
         """Run, from a pool of threads, one eager decode step of each batch size (rows at the scratch
-        position, tokens 0) and the step's draw (``sample_step``, or a greedy step's argmax) for each
-        batch size and sampling mode on zero logits; seconds. On a GPU that compiles every Triton
+        position, tokens 0), the step's draw (``sample_step``, or a greedy step's argmax) for each
+        batch size and sampling mode on zero logits, and an eager prefill of each of
+        ``prefill_lengths`` (tokens 0 into cache row 0); seconds. On a GPU that compiles every Triton
         variant the decode graphs launch side by side, where the captures would reach them one after
         another. Triton's compile releases the GIL (sm_90, Triton 3.6, two one-launch samplers on a
         2-core host: 32.9 s on two threads, 58.7 s one after the other), and a warm-up's longest
@@ -358,8 +359,10 @@ class Model:
 
         Everything goes to the caller's stream, so the device runs one launch at a time (a
         one-launch sampler needs all its programs resident). The steps write the scratch position's
-        cache entries, as the captures' warm-up steps do, and the recurrent state is put back. A
-        tensor-parallel net runs only the draws: its steps' collectives must keep the ranks' order."""
+        cache entries, as the captures' warm-up steps do, the prefills row 0's (rewritten by the next
+        request that takes the row), and the recurrent state is put back. Run it while no request is
+        in flight. A tensor-parallel net runs only the draws: its steps' and prefills' collectives
+        must keep the ranks' order."""
         dev = self.device
         stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
         V = self.net.vocab_size
@@ -374,6 +377,9 @@ class Model:
                     self.net.decode(row(0, torch.int64), row(self.max_seq_len - 1, torch.int64), row(1, torch.int32),
                                     self.caches)
                     return
+                if what == "prefill":
+                    self._prefill_chunk(0, [0] * B, 0, B)
+                    return
                 logits = torch.zeros(B, V, dtype=self.dtype, device=dev)
                 if what == "greedy":
                     self._argmax(logits)
@@ -384,8 +390,9 @@ class Model:
                             every_row=every_row_promise(what))
 
         t0 = time.perf_counter()
-        steps = () if _tensor_parallel() else ("step",)
-        tasks = [(what, B) for B in batch_sizes for what in (*steps, *SAMPLING_MODES)]
+        tp = _tensor_parallel()
+        tasks = [(what, B) for B in batch_sizes for what in (() if tp else ("step",)) + SAMPLING_MODES]
+        tasks += [] if tp else [("prefill", n) for n in prefill_lengths]
         saved = [t.clone() for t in self._recurrent_state]
         workers = max(1, min(len(tasks), os.cpu_count() or 1))
         try:

@@ -692,7 +692,8 @@ class Scheduler:
         if m.device.type != "cuda":
             return 0.0  # nothing to capture or compile on the reference path
         t0 = time.perf_counter()
-        m._compile_ahead(self.buckets)  # the steps' and samplers' Triton compiles side by side, before the captures
+        lengths = [n for n in chunk_sizes(self.prefill_chunk) if n <= m.max_seq_len]
+        m._compile_ahead(self.buckets, lengths)  # the Triton compiles side by side, before the captures
         for B in self.buckets:
             for mode in SAMPLING_MODES:
                 m._graph(B, mode, False)
@@ -700,9 +701,8 @@ class Scheduler:
                 m._graph(B, mode, True)
         # each prefill length once (Triton compiles for that length), then the first-token paths
         # of both samplers, in row 0 (free: the next request's prefill rewrites it)
-        for n in chunk_sizes(self.prefill_chunk):
-            if n <= m.max_seq_len:
-                logits = m._prefill_chunk(0, [0] * n, 0, n)
+        for n in lengths:  # (compiled above; again here for a tensor-parallel rank, in the ranks' order)
+            logits = m._prefill_chunk(0, [0] * n, 0, n)
         if self.prefill_chunk < m.max_seq_len:  # a chunk after a cached prefix (the masked attention)
             m._prefill_chunk(0, [0], self.prefill_chunk, 1)
         prefill_graphs.capture(m, chunk_sizes(self.prefill_chunk))  # a prompt's first chunk, every length

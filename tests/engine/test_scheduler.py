@@ -403,9 +403,10 @@ def test_first_token_draw_is_the_decode_steps_batch_1_call(model, monkeypatch):
 
 
 def test_compile_ahead_runs_every_bucket_and_mode_and_leaves_the_model_alone(model, monkeypatch):
-    """Warm-up's parallel compiles: one eager decode step per batch size and one draw per (batch size,
+    """Warm-up's parallel compiles: one eager decode step per batch size, one draw per (batch size,
     sampling mode), each under the promise its mode gives (the sampler validates it when checking),
-    from pool threads; the rows' state is untouched. A tensor-parallel rank runs the draws only."""
+    and one prefill per length into row 0, from pool threads; the rows' state is untouched. A
+    tensor-parallel rank runs the draws only."""
     from ember import engine
     from ember.ops import sampling as ops_sampling
     seen, argmaxes, steps = [], [], []
@@ -422,34 +423,39 @@ def test_compile_ahead_runs_every_bucket_and_mode_and_leaves_the_model_alone(mod
         steps.append((tokens.shape[0], positions.tolist(), threading.current_thread().name))
         return real_decode(tokens, positions, seq_lens, caches)
     monkeypatch.setattr(model.net, "decode", decode)
+    prefills = []
+    real_prefill = model._prefill_chunk
+    monkeypatch.setattr(model, "_prefill_chunk", lambda row, ids, start, padded: prefills.append(
+        (row, len(ids), start, padded, threading.current_thread().name)) or real_prefill(row, ids, start, padded))
     state = [t.clone() for t in (model._tokens, model._positions, model._seed, model._temperature, model._top_k)]
-    assert model._compile_ahead([1, 2, 4]) >= 0
+    assert model._compile_ahead([1, 2, 4], [8, 1]) >= 0
+    assert sorted(p[:4] for p in prefills) == [(0, 1, 0, 1), (0, 8, 0, 8)]
     assert sorted(argmaxes) == [1, 2, 4]
     assert sorted(s[0] for s in steps) == [1, 2, 4]
     assert all(p == [model.max_seq_len - 1] * len(p) for _, p, _ in steps)  # the scratch position only
     want = {(B, engine.every_row_promise(mode), True) for B in (1, 2, 4) for mode in engine.SAMPLING_MODES
             if mode != "greedy"}
     assert {s[:3] for s in seen} == want and len(seen) == len(want)
-    assert all(s[-1].startswith("ember-compile") for s in seen + steps)
+    assert all(s[-1].startswith("ember-compile") for s in seen + steps + prefills)
     for t, s in zip((model._tokens, model._positions, model._seed, model._temperature, model._top_k), state):
         assert torch.equal(t, s)
     for mode, filler in engine._FILLERS.items():
         assert engine.sampling_mode(filler, model.net.vocab_size) == mode
-    steps.clear()
+    steps.clear(), prefills.clear()
     monkeypatch.setattr(engine, "_tensor_parallel", lambda: True)
-    model._compile_ahead([1])
-    assert steps == []
+    model._compile_ahead([1], [8])
+    assert steps == [] and prefills == []
 
 
 def test_compile_ahead_puts_a_hybrids_recurrent_state_back(lfm2_path):
-    """The steps run over the conv / recurrent state of rows 0..B-1 in place; it is restored."""
+    """The steps and prefills run over the conv / recurrent state of rows 0..B-1 in place; it is restored."""
     m = ember.load(lfm2_path, device="cpu", max_seq_len=32, max_batch_size=2)
     assert m._recurrent_state
     g = torch.Generator().manual_seed(0)
     for t in m._recurrent_state:
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     before = [t.clone() for t in m._recurrent_state]
-    m._compile_ahead([1, 2])
+    m._compile_ahead([1, 2], [4, 2, 1])
     assert all(torch.equal(a, b) for a, b in zip(m._recurrent_state, before))
 
 

@@ -9,7 +9,8 @@ the first compiles every kernel variant into the empty cache (``cold``), the sec
 (``warm``). Each run also reports what its Triton compiles took (the time between Triton's
 ``jit_cache_hook`` and ``jit_post_compile_hook`` per kernel variant: compiling, or reading the
 on-disk cache when it is warm), the slowest variants by name, and the seconds spent capturing CUDA
-graphs (``Model.capture_s``).
+graphs (``Model.capture_s``). Warm-up compiles from a pool of threads (``Model._compile_ahead``), so
+``compile_s``, the sum over variants, can exceed the wall clock it overlapped.
 """
 from __future__ import annotations
 

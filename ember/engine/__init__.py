@@ -354,8 +354,9 @@ class Model:
         variant the decode graphs launch side by side, where the captures would reach them one after
         another. Triton's compile releases the GIL (sm_90, Triton 3.6, two one-launch samplers on a
         2-core host: 32.9 s on two threads, 58.7 s one after the other), and a warm-up's longest
-        compiles are the one-launch sampler's (per batch size that fits one launch: 11.7 s top_k,
-        22.2-60 s "any") and the batch-1 gate_up GEMV (13.4 s; the rest of the Qwen3-30B-A3B step 5 s).
+        compiles are the one-launch sampler's (per batch size that fits one launch: 12-27 s top_k,
+        22-60 s "any") and the batch-1 gate_up GEMV (13-15 s; the rest of the Qwen3-30B-A3B step 5 s;
+        bench/results/cpu/compile_sm90_probe.txt).
 
         Everything goes to the caller's stream, so the device runs one launch at a time (a
         one-launch sampler needs all its programs resident). The steps write the scratch position's

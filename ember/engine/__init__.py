@@ -217,6 +217,7 @@ class Model:
         self._argmax_fn = None
         self.use_cuda_graph = dev.type == "cuda"
         self.capture_s = 0.0  # seconds spent capturing decode and prefill graphs so far
+        self._compiled: set[tuple[str, int]] = set()  # _compile_ahead's tasks run so far
         # a prompt's first prefill chunk as a CUDA graph per padded length (ember.engine.prefill_graphs)
         self._prefill_graphs: dict = {}  # padded length -> prefill_graphs.PrefillGraph
         self._prefill_pool = None
@@ -346,11 +347,11 @@ class Model:
             self.capture_s += time.perf_counter() - t0
         return graph
 
-    def _compile_ahead(self, batch_sizes: Sequence[int], prefill_lengths: Sequence[int] = ()) -> float:
-        """Run, from a pool of threads, one eager decode step of each batch size (rows at the scratch
-        position, tokens 0), the step's draw (``sample_step``, or a greedy step's argmax) for each
-        batch size and sampling mode on zero logits, and an eager prefill of each of
-        ``prefill_lengths`` (tokens 0 into cache row 0); seconds. On a GPU that compiles every Triton
+    def _compile_ahead(self, tasks) -> float:
+        """Run ``tasks`` (``compile_tasks``) from a pool of threads: ("step", B) one eager decode step of
+        B rows (at the scratch position, tokens 0), (mode, B) the step's draw (``sample_step``, or a
+        greedy step's argmax) for B rows in that sampling mode on zero logits, ("prefill", n) an eager
+        prefill of n tokens (0) into cache row 0; seconds. Each task runs once a model. On a GPU that compiles every Triton
         variant the decode graphs launch side by side, where the captures would reach them one after
         another. Triton's compile releases the GIL (sm_90, Triton 3.6, two one-launch samplers on a
         2-core host: 32.9 s on two threads, 58.7 s one after the other), and a warm-up's longest
@@ -392,11 +393,12 @@ class Model:
 
         t0 = time.perf_counter()
         tp = _tensor_parallel()
-        tasks = [(what, B) for B in batch_sizes for what in (() if tp else ("step",)) + SAMPLING_MODES]
-        tasks += [] if tp else [("prefill", n) for n in prefill_lengths]
         # the longest compiles first, so that fewer cores than tasks still end together (measured
         # above: "any" draws 22-60 s, top_k 12-27 s, a step's 13-19 s, the rest a few seconds)
-        tasks.sort(key=lambda t: (_COMPILE_ORDER.index(t[0]), -t[1]))
+        tasks = sorted({t for t in tasks if t not in self._compiled and not (tp and t[0] in ("step", "prefill"))},
+                       key=lambda t: (_COMPILE_ORDER.index(t[0]), -t[1]))
+        if not tasks:
+            return 0.0
         saved = [t.clone() for t in self._recurrent_state]
         workers = max(1, min(len(tasks), os.cpu_count() or 1))
         try:
@@ -408,7 +410,24 @@ class Model:
                 t.copy_(v)
         if stream is not None:
             stream.synchronize()
+        self._compiled.update(tasks)
         return time.perf_counter() - t0
+
+    def _compile_for(self, ids: list[list[int]], sampling: list[SamplingParams]) -> None:
+        """Before requests of a model that was not warmed up: ``_compile_ahead`` what they will run
+        first (their prefill lengths, each first draw at batch 1, the decode bucket's step and draw),
+        so a first ``generate`` compiles those side by side rather than one after another. Nothing
+        while other requests are in flight (the prefills write row 0)."""
+        from ember.engine.scheduler import chunk_plan
+        sched = self.scheduler
+        modes = [sampling_mode(s, self.net.vocab_size) for s in sampling]
+        B = next((b for b in sched.buckets if b >= len(ids)), sched.buckets[-1])
+        tasks = compile_tasks([B], (), (batch_mode(modes),))
+        tasks += [(mode, 1) for mode in modes]
+        tasks += [("prefill", n) for p in ids
+                  for _, _, n in chunk_plan(len(p), sched.prefill_chunk, self.max_seq_len, sched._pad)]
+        if not set(tasks) <= self._compiled:
+            sched.run_in_loop(lambda: None if sched._busy() else self._compile_ahead(tasks))
 
     def _decode(self, B: int, mode: str, logprobs: bool) -> None:
         """Run one decode step of rows 0..B-1 (a graph replay on the GPU, eager elsewhere); ``mode``
@@ -610,6 +629,8 @@ class Model:
 
     def _submit_all(self, ids, sampling, stops, max_new_tokens) -> list:
         from ember.engine.scheduler import Request
+        if self.use_cuda_graph:
+            self._compile_for(ids, sampling)
         # submitted together (all or none): the loop admits the whole batch in one iteration, so its
         # steps do not depend on thread timing (tensor-parallel ranks must run the same steps)
         return self.scheduler.submit_many([Request(
@@ -790,6 +811,17 @@ def batch_mode(modes) -> str:
 
 
 _COMPILE_ORDER = ("any", "top_k", "step", "temperature_only", "greedy", "prefill")
+
+
+def compile_tasks(batch_sizes, prefill_lengths, modes=SAMPLING_MODES) -> list[tuple[str, int]]:
+    """``Model._compile_ahead``'s tasks: the decode step and each of ``modes``' draws per batch size,
+    and an eager prefill per length.
+
+    Example:
+        >>> compile_tasks([1, 2], [4], ("greedy",))
+        [('step', 1), ('greedy', 1), ('step', 2), ('greedy', 2), ('prefill', 4)]
+    """
+    return [(what, B) for B in batch_sizes for what in ("step", *modes)] + [("prefill", n) for n in prefill_lengths]
 
 
 def _tensor_parallel() -> bool:

@@ -49,7 +49,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import torch
 
-from ember.engine import SAMPLING_MODES, batch_mode, prefill_graphs, sampling_mode
+from ember.engine import SAMPLING_MODES, batch_mode, compile_tasks, prefill_graphs, sampling_mode
 from ember.ops.sampling import SamplingParams
 
 __all__ = ["Scheduler", "Request", "Handle", "Event", "QueueFull", "chunk_plan"]
@@ -693,7 +693,7 @@ class Scheduler:
             return 0.0  # nothing to capture or compile on the reference path
         t0 = time.perf_counter()
         lengths = [n for n in chunk_sizes(self.prefill_chunk) if n <= m.max_seq_len]
-        m._compile_ahead(self.buckets, lengths)  # the Triton compiles side by side, before the captures
+        m._compile_ahead(compile_tasks(self.buckets, lengths))  # the Triton compiles side by side, before the captures
         for B in self.buckets:
             for mode in SAMPLING_MODES:
                 m._graph(B, mode, False)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ember
+from ember.engine import compile_tasks
 from ember.engine.scheduler import Event, QueueFull, Request, Scheduler, chunk_plan
 from tests.models import tiny
 
@@ -428,7 +429,9 @@ def test_compile_ahead_runs_every_bucket_and_mode_and_leaves_the_model_alone(mod
     monkeypatch.setattr(model, "_prefill_chunk", lambda row, ids, start, padded: prefills.append(
         (row, len(ids), start, padded, threading.current_thread().name)) or real_prefill(row, ids, start, padded))
     state = [t.clone() for t in (model._tokens, model._positions, model._seed, model._temperature, model._top_k)]
-    assert model._compile_ahead([1, 2, 4], [8, 1]) >= 0
+    model._compiled.clear()
+    assert model._compile_ahead(compile_tasks([1, 2, 4], [8, 1])) >= 0
+    assert model._compile_ahead(compile_tasks([1, 2], [8])) == 0.0  # each task once a model
     assert sorted(p[:4] for p in prefills) == [(0, 1, 0, 1), (0, 8, 0, 8)]
     assert sorted(argmaxes) == [1, 2, 4]
     assert sorted(s[0] for s in steps) == [1, 2, 4]
@@ -441,10 +444,11 @@ def test_compile_ahead_runs_every_bucket_and_mode_and_leaves_the_model_alone(mod
         assert torch.equal(t, s)
     for mode, filler in engine._FILLERS.items():
         assert engine.sampling_mode(filler, model.net.vocab_size) == mode
-    steps.clear(), prefills.clear()
+    steps.clear(), prefills.clear(), seen.clear()
+    model._compiled.clear()
     monkeypatch.setattr(engine, "_tensor_parallel", lambda: True)
-    model._compile_ahead([1], [8])
-    assert steps == [] and prefills == []
+    model._compile_ahead(compile_tasks([1], [8]))
+    assert steps == [] and prefills == [] and len(seen) == 3
 
 
 def test_compile_ahead_puts_a_hybrids_recurrent_state_back(lfm2_path):
@@ -455,7 +459,7 @@ def test_compile_ahead_puts_a_hybrids_recurrent_state_back(lfm2_path):
     for t in m._recurrent_state:
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     before = [t.clone() for t in m._recurrent_state]
-    m._compile_ahead([1, 2], [4, 2, 1])
+    m._compile_ahead(compile_tasks([1, 2], [4, 2, 1]))
     assert all(torch.equal(a, b) for a, b in zip(m._recurrent_state, before))
 
 
@@ -471,7 +475,7 @@ def test_gpu_compile_ahead_leaves_the_captures_nothing_to_compile(moe_path, cuda
     old_hook = knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiles.append(k.get("repr")) or None
     try:
-        assert m._compile_ahead(sched.buckets) > 0
+        assert m._compile_ahead(compile_tasks(sched.buckets, ())) > 0
         assert compiles, "the hook saw no compile at all"
         compiles.clear()
         with torch.no_grad():
@@ -484,3 +488,19 @@ def test_gpu_compile_ahead_leaves_the_captures_nothing_to_compile(moe_path, cuda
         knobs.runtime.jit_post_compile_hook = old_hook
     assert compiles == [], compiles[:5]
     assert len(m._graphs) == len(sched.buckets) * 6
+
+
+def test_a_first_generate_compiles_its_own_tasks_ahead_unless_requests_are_in_flight(model, monkeypatch):
+    """Without warm-up, requests compile first what they run first (their prefill lengths, each first
+    draw at batch 1, the bucket's step and draw), side by side; nothing while the scheduler is busy."""
+    sched = Scheduler(model, prefill_chunk=8)
+    asked = []
+    monkeypatch.setattr(model, "_compile_ahead", lambda tasks: asked.append(sorted(set(tasks))) or 0.0)
+    greedy, top_k = ember.SamplingParams(temperature=0), ember.SamplingParams(temperature=0.7, top_k=5)
+    model._compile_for([[1] * 11, [2] * 3], [greedy, top_k])
+    assert asked == [sorted({("step", 2), ("any", 2), ("greedy", 1), ("top_k", 1), ("prefill", 8), ("prefill", 4)})]
+    monkeypatch.setattr(sched, "_busy", lambda: True)
+    model._compile_for([[1] * 3], [greedy])
+    assert len(asked) == 1
+    monkeypatch.undo()
+    Scheduler(model)

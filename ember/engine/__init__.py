@@ -427,7 +427,11 @@ class Model:
         tasks += [("prefill", n) for p in ids
                   for _, _, n in chunk_plan(len(p), sched.prefill_chunk, self.max_seq_len, sched._pad)]
         if not set(tasks) <= self._compiled:
-            sched.run_in_loop(lambda: None if sched._busy() else self._compile_ahead(tasks))
+            try:
+                sched.run_in_loop(lambda: None if sched._busy() else self._compile_ahead(tasks))
+            except Exception as e:  # the requests still run, compiling one kernel after another
+                warnings.warn(f"{self.name}: compiling ahead failed ({type(e).__name__}: {str(e)[:200]}); the "
+                              "requests compile as they go")
 
     def _decode(self, B: int, mode: str, logprobs: bool) -> None:
         """Run one decode step of rows 0..B-1 (a graph replay on the GPU, eager elsewhere); ``mode``

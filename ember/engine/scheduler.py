@@ -43,6 +43,7 @@ import itertools
 import random
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -693,7 +694,11 @@ class Scheduler:
             return 0.0  # nothing to capture or compile on the reference path
         t0 = time.perf_counter()
         lengths = [n for n in chunk_sizes(self.prefill_chunk) if n <= m.max_seq_len]
-        m._compile_ahead(compile_tasks(self.buckets, lengths))  # the Triton compiles side by side, before the captures
+        try:  # the Triton compiles side by side, before the captures
+            m._compile_ahead(compile_tasks(self.buckets, lengths))
+        except torch.cuda.OutOfMemoryError as e:  # the prefills at once did not fit: one at a time below
+            warnings.warn(f"warmup: compiling ahead ran out of GPU memory ({str(e)[:160]}); compiling one "
+                          "kernel after another instead")
         for B in self.buckets:
             for mode in SAMPLING_MODES:
                 m._graph(B, mode, False)

@@ -504,3 +504,16 @@ def test_a_first_generate_compiles_its_own_tasks_ahead_unless_requests_are_in_fl
     assert len(asked) == 1
     monkeypatch.undo()
     Scheduler(model)
+
+
+def test_a_failed_compile_ahead_only_warns_and_the_request_runs(model, monkeypatch):
+    sched = Scheduler(model)
+
+    def boom(tasks):
+        raise RuntimeError("injected compile failure")
+    monkeypatch.setattr(model, "_compile_ahead", boom)
+    with pytest.warns(UserWarning, match="injected compile failure"):
+        model._compile_for([[1, 2, 3]], [GREEDY])
+    monkeypatch.undo()
+    assert run(sched, [1, 2, 3], 4)[0].tokens == run(sched, [1, 2, 3], 4)[0].tokens
+    Scheduler(model)

@@ -348,16 +348,15 @@ class Model:
         return graph
 
     def _compile_ahead(self, tasks) -> float:
-        """Run ``tasks`` (``compile_tasks``) from a pool of threads: ("step", B) one eager decode step of
-        B rows (at the scratch position, tokens 0), (mode, B) the step's draw (``sample_step``, or a
-        greedy step's argmax) for B rows in that sampling mode on zero logits, ("prefill", n) an eager
-        prefill of n tokens (0) into cache row 0; seconds. Each task runs once a model. On a GPU that
-        compiles every Triton variant the decode graphs launch side by side, where the captures
-        would reach them one after another. Triton's compile releases the GIL (sm_90, Triton 3.6, two one-launch samplers on a
-        2-core host: 32.9 s on two threads, 58.7 s one after the other), and a warm-up's longest
-        compiles are the one-launch sampler's (per batch size that fits one launch: 12-27 s top_k,
-        22-60 s "any") and the batch-1 gate_up GEMV (13-15 s; the rest of the Qwen3-30B-A3B step 5 s;
-        bench/results/cpu/compile_sm90_probe.txt).
+        """Run ``tasks`` (``compile_tasks``) from a pool of threads: ("step", B) one eager decode step of B
+        rows (at the scratch position, tokens 0), (mode, B) the step's draw (``sample_step``, or a greedy
+        step's argmax) for B rows in that sampling mode on zero logits, ("prefill", n) an eager prefill of n
+        tokens (0) into cache row 0; seconds. Each task runs once a model. On a GPU that compiles every Triton
+        variant the decode graphs launch side by side, where the captures would reach them one after another.
+        Triton's compile releases the GIL (sm_90, Triton 3.6, two one-launch samplers on a 2-core host: 32.9 s
+        on two threads, 58.7 s one after the other), and a warm-up's longest compiles are the one-launch
+        sampler's (per batch size that fits one launch: 12-27 s top_k, 22-60 s "any") and the batch-1 gate_up
+        GEMV (13-15 s; the rest of the Qwen3-30B-A3B step 5 s; bench/results/cpu/compile_sm90_probe.txt).
 
         Everything goes to the caller's stream, so the device runs one launch at a time (a
         one-launch sampler needs all its programs resident). The steps write the scratch position's

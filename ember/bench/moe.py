@@ -94,17 +94,23 @@ def decode_bytes(net, batch: int = 1) -> float:
     return total
 
 
+def cache_bytes(model, batch: int, context: float) -> float:
+    """Cache bytes one decode step of ``batch`` rows moves: the attention layers' KV at ``context``
+    tokens a row, and the conv / recurrent states of hybrid models twice (read, then written back)."""
+    state = {t.data_ptr() for t in model._recurrent_state}
+    kv = sum(t.numel() * t.element_size() for layer in model.caches for t in layer if t.data_ptr() not in state)
+    states = sum(t.numel() * t.element_size() for t in model._recurrent_state)
+    return batch * (context * kv / model.max_seq_len + 2 * states) / model.max_batch_size
+
+
 def step_bytes(model, batch: int, context: float) -> float:
-    """Bytes one decode step of ``batch`` rows reads: ``decode_bytes`` plus the KV cache of ``batch``
-    rows at ``context`` tokens each (the uniform-routing bound's numerator: ``ember bench moe`` b8 and
-    ``ember bench serve``).
+    """Bytes one decode step of ``batch`` rows reads: ``decode_bytes`` plus ``cache_bytes`` (the
+    uniform-routing bound's numerator: ``ember bench moe`` b8 and ``ember bench serve``).
 
     Example:
         >>> step_bytes(model, 8, 640) / 4.155e12 * 1e3   # ms at the H200's copy bandwidth
     """
-    per_token = sum(t.numel() * t.element_size() for layer in model.caches for t in layer) / (
-        model.max_batch_size * model.max_seq_len)  # KV bytes of one cached token, every layer
-    return decode_bytes(model.net, batch) + batch * context * per_token
+    return decode_bytes(model.net, batch) + cache_bytes(model, batch, context)
 
 
 def hf_decode_tok_s(model, ids, new_tokens, **kw) -> float:

@@ -121,12 +121,9 @@ def engine_model(net, cfg, max_seq_len: int, fp8: bool = False):
 
 
 def step_bytes(model, context: float) -> float:
-    """Bytes one batch-1 decode step reads: ``decode_bytes``, the attention layers' KV cache at
-    ``context`` tokens, and the conv / recurrent states twice (read, then written back)."""
-    state = {t.data_ptr() for t in model._recurrent_state}
-    kv = sum(t.numel() * t.element_size() for layer in model.caches for t in layer if t.data_ptr() not in state)
-    states = sum(t.numel() * t.element_size() for t in model._recurrent_state)
-    return decode_bytes(model.net) + context * kv / (model.max_batch_size * model.max_seq_len) + 2 * states
+    """Bytes one batch-1 decode step reads: ``decode_bytes`` and the model's caches
+    (``moe.cache_bytes``: attention KV at ``context`` tokens, the conv / recurrent states read and written)."""
+    return decode_bytes(model.net) + moe_bench.cache_bytes(model, 1, context)
 
 
 def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:

@@ -2,6 +2,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from ember import bench, cli
 from ember.bench import Row
@@ -74,7 +75,6 @@ def test_variant_applies_switches_and_tiles_inside_the_block_only():
 def test_moe_hybrid_floor_counts_the_folded_shared_expert(monkeypatch):
     """Qwen3.5 with its shared expert folded into the experts (the bf16 default) reads the same weight
     bytes per token as the unfolded block: the floor must not change with the layout."""
-    import torch
     from ember.bench import moe_hybrid
     from ember.models import qwen3_5_moe
     hf, cfg = moe_hybrid.make_hf("qwen3_5_moe_35b_a3b", True, torch.device("cpu"))
@@ -125,7 +125,6 @@ class _ScriptedGenerate:
 
 
 def test_hf_decode_rate_measures_again_after_an_impossible_pair():
-    import torch
     from ember.bench import moe as moe_bench
     ids = torch.zeros(1, 4, dtype=torch.long)
     # warm-up, then three 1-token calls and an 8+1-token call faster than them (a busy host), then a sane pair
@@ -153,10 +152,27 @@ def test_moe_hybrid_quick_rows_time_the_engine_and_judge_nothing_on_cpu():
         assert fp8.extra["vs_bf16"] == pytest.approx(fp8.ember / bf16.ember)
 
 
+def test_moe_hybrid_a_family_that_fails_to_build_leaves_the_other_familys_rows(monkeypatch):
+    """A family whose HF model cannot be built (out of memory on an 80 GB card) gets error rows naming
+    the cause, and the suite still returns the other family's measured rows."""
+    from ember.bench import moe_hybrid
+    real = moe_hybrid.make_hf
+
+    def make_hf(kind, quick, device):
+        if kind == "qwen3_5_moe_35b_a3b":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+        return real(kind, quick, device)
+    monkeypatch.setattr(moe_hybrid, "make_hf", make_hf)
+    rows = {r.name: r for r in bench.run_suite("moe_hybrid", quick=True)}
+    assert rows["lfm2_moe_8b_a1b_bf16_b1"].ember > 0 and "error" not in rows["lfm2_moe_8b_a1b_bf16_b1"].extra
+    for p in ("bf16", "fp8"):
+        r = rows[f"qwen3_5_moe_35b_a3b_{p}_b1"]
+        assert r.ember == 0 and r.meets is False and "out of memory" in r.extra["error"]
+
+
 def test_moe_hybrid_step_bytes_grow_with_the_attention_layers_cache_only():
     """Only attention layers' caches grow with the context; the conv / recurrent states are read and
     written once a step whatever the context."""
-    import torch
     from ember.bench import moe_hybrid
     hf, cfg = moe_hybrid.make_hf("lfm2_moe_8b_a1b", True, torch.device("cpu"))
     S = 48

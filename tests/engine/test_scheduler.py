@@ -463,31 +463,47 @@ def test_compile_ahead_puts_a_hybrids_recurrent_state_back(lfm2_path):
     assert all(torch.equal(a, b) for a, b in zip(m._recurrent_state, before))
 
 
+_COMPILE_AHEAD_THEN_CAPTURE = """
+import json, sys
+import torch
+from triton import knobs
+import ember
+from ember.engine import SAMPLING_MODES, compile_tasks
+from ember.engine.scheduler import Scheduler
+knobs.cache.dir = sys.argv[2]
+m = ember.load(sys.argv[1], device="cuda", dtype=torch.bfloat16, max_seq_len=256, max_batch_size=4)
+sched = Scheduler(m, prefill_chunk=32)
+ahead, during_capture = [], []
+sink = ahead
+knobs.runtime.jit_post_compile_hook = lambda *a, **k: sink.append(k.get("repr")) or None
+assert m._compile_ahead(compile_tasks(sched.buckets, ())) > 0
+sink = during_capture
+with torch.no_grad():
+    for B in sched.buckets:
+        for mode in SAMPLING_MODES:
+            m._graph(B, mode, False)
+        for mode in ("greedy", "any"):
+            m._graph(B, mode, True)
+print(json.dumps({"ahead": len(ahead), "during_capture": during_capture[:5], "graphs": len(m._graphs),
+                  "buckets": len(sched.buckets)}))
+"""
+
+
 @pytest.mark.gpu
-def test_gpu_compile_ahead_leaves_the_captures_nothing_to_compile(moe_path, cuda):
+def test_gpu_compile_ahead_leaves_the_captures_nothing_to_compile(moe_path, cuda, tmp_path):
     """After warm-up's parallel compiles, capturing every decode graph (each bucket, sampling mode and
-    logprobs variant) compiles no Triton kernel: the threads ran exactly the launches the graphs make."""
-    from triton import knobs
-    from ember.engine import SAMPLING_MODES
-    m = ember.load(moe_path, device=cuda, dtype=torch.bfloat16, max_seq_len=256, max_batch_size=4)
-    sched = Scheduler(m, prefill_chunk=32)
-    compiles = []
-    old_hook = knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiles.append(k.get("repr")) or None
-    try:
-        assert m._compile_ahead(compile_tasks(sched.buckets, ())) > 0
-        assert compiles, "the hook saw no compile at all"
-        compiles.clear()
-        with torch.no_grad():
-            for B in sched.buckets:
-                for mode in SAMPLING_MODES:
-                    m._graph(B, mode, False)
-                for mode in ("greedy", "any"):
-                    m._graph(B, mode, True)
-    finally:
-        knobs.runtime.jit_post_compile_hook = old_hook
-    assert compiles == [], compiles[:5]
-    assert len(m._graphs) == len(sched.buckets) * 6
+    logprobs variant) compiles no Triton kernel: the threads ran exactly the launches the graphs make.
+    A fresh process over an empty Triton cache, so kernels compiled by earlier tests cannot hide a miss."""
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD_THEN_CAPTURE, str(moe_path), str(tmp_path / "triton")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ahead"] > 0, "the hook saw no compile at all"
+    assert out["during_capture"] == []
+    assert out["graphs"] == out["buckets"] * 6
 
 
 def test_a_first_generate_compiles_its_own_tasks_ahead_unless_requests_are_in_flight(model, monkeypatch):

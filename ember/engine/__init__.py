@@ -180,9 +180,10 @@ class Model:
         # per layer: (k, v) for attention, the conv / recurrent state for hybrid mixers; batch first
         self.caches = net.allocate_caches(max_batch_size, max_seq_len, self.dtype, self.device)
         # State that a decode step advances in place (not append-only like a KV cache): the warm-up
-        # steps before capture must not leave it changed.
+        # steps before capture must not leave it changed. Mixers say so (``recurrent``); a hybrid's
+        # attention layers keep KV caches, which are not cloned with it (GBs at long contexts).
         self._recurrent_state = [t for layer, cache in zip(net.layers, self.caches)
-                                 if hasattr(layer.attn, "cache_spec") for t in cache]
+                                 if getattr(layer.attn, "recurrent", False) for t in cache]
         B, dev = max_batch_size, self.device
         # Static decode state: the CUDA graphs read and advance these in place. Rows start free.
         self._tokens = torch.zeros(B, dtype=torch.int64, device=dev)

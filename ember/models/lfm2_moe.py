@@ -43,6 +43,8 @@ class ShortConv(nn.Module):
     instead of three per block, each product rounded as the torch ops round it). H200, LFM2-8B-A1B
     bf16 decode: 781 -> 828 tok/s (bench/results/h200/moe_hybrid.json)."""
 
+    recurrent = True  # its cache is a state each step rewrites, not an append-only KV cache
+
     def __init__(self, in_proj: nn.Module, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                  out_proj: nn.Module):
         super().__init__()

@@ -47,6 +47,8 @@ _IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
 # ----------------------------------------------------------------------------- gated DeltaNet
 class GatedDeltaNet(nn.Module):
+    recurrent = True  # its caches are states each step rewrites, not an append-only KV cache
+
     def __init__(self, proj: nn.Module, proj_ba: nn.Module, conv_weight: torch.Tensor, a_log: torch.Tensor,
                  dt_bias: torch.Tensor, norm: torch.Tensor, out_proj: nn.Module, *, num_k_heads: int,
                  num_v_heads: int, k_dim: int, v_dim: int, eps: float):

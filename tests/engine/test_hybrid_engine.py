@@ -43,3 +43,19 @@ def test_gpu_graph_generate_equals_eager(family, tmp_path, cuda):
     model.use_cuda_graph = True
     assert model.generate(prompts, max_new_tokens=NEW) == eager
     assert model.generate(prompts, max_new_tokens=NEW) == eager  # replayed graph, reused caches
+
+
+@pytest.mark.parametrize("family", ["lfm2_moe", "qwen3_5_moe"])
+def test_recurrent_state_is_the_conv_and_deltanet_states_not_the_kv_caches(family, tmp_path):
+    """What warm-up clones and chunked prefill stashes per row: the states a step rewrites. The
+    attention layers' KV caches (Qwen3.5's gated attention has a cache spec of its own) stay out: at
+    long contexts they are GBs, and a step only appends to them."""
+    _families()[family]().save_pretrained(tmp_path)
+    model = ember.load(tmp_path, dtype=torch.float32, max_seq_len=64, max_batch_size=2)
+    ptrs = {t.data_ptr() for t in model._recurrent_state}
+    kinds = {"recurrent": 0, "attention": 0}
+    for layer, cache in zip(model.net.layers, model.caches):
+        recurrent = type(layer.attn).__name__ in ("ShortConv", "GatedDeltaNet")
+        kinds["recurrent" if recurrent else "attention"] += 1
+        assert all((t.data_ptr() in ptrs) == recurrent for t in cache), type(layer.attn).__name__
+    assert kinds["recurrent"] and kinds["attention"]

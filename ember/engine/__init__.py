@@ -425,7 +425,7 @@ class Model:
         tasks = compile_tasks([B], (), (batch_mode(modes),))
         tasks += [(mode, 1) for mode in modes]
         tasks += [("prefill", n) for p in ids
-                  for _, _, n in chunk_plan(len(p), sched.prefill_chunk, self.max_seq_len, sched._pad)]
+                  for _, _, n in chunk_plan(len(p), sched.prefill_chunk, self.max_seq_len)]
         if not set(tasks) <= self._compiled:
             try:
                 sched.run_in_loop(lambda: None if sched._busy() else self._compile_ahead(tasks))

@@ -8,8 +8,9 @@ the chunk's k / v into the request's row, chosen by a device index (one copy a c
 for 1,024 tokens of Qwen3-30B-A3B, ~25 us). Later chunks of a long prompt (after a cached prefix)
 stay eager: their attention reads a prefix whose length varies.
 
-Only attention-only models are captured (conv / recurrent state would need its own staging), and not
-under tensor parallelism (collectives stay out of graphs).
+Hybrid models are captured too: their conv / recurrent states run in the staging caches (zeroed by
+the chunk, as a fresh prompt starts) and stop at the last real token (the mixers' ``last_index``), and
+the graph copies them into the row whole. Not under tensor parallelism (collectives stay out of graphs).
 """
 from __future__ import annotations
 
@@ -58,15 +59,19 @@ def staged_prefill(model, staging, ids: torch.Tensor, last: torch.Tensor, row: t
     at index ``last``: what a prefill graph runs, and the same as ``Model._prefill_chunk(row, ids, 0,
     length)`` writes and returns."""
     logits = model.net.prefill(ids, staging, last_index=last)
-    for layer, staged in zip(model.caches, staging):
-        for cache, s in zip(layer, staged):  # [B, KVH, S, D] <- [1, KVH, >= length, D]
-            cache[:, :, :length].index_copy_(0, row, s[:, :, :length])
+    for block, layer, staged in zip(model.net.layers, model.caches, staging):
+        recurrent = getattr(block.attn, "recurrent", False)
+        for cache, s in zip(layer, staged):
+            if recurrent:  # a conv / recurrent state: the whole of it
+                cache.index_copy_(0, row, s)
+            else:  # [B, KVH, S, D] <- [1, KVH, >= length, D]
+                cache[:, :, :length].index_copy_(0, row, s[:, :, :length])
     return logits
 
 
 def can_capture(model) -> bool:
     """Whether ``model``'s first prefill chunks can run as graphs (see the module doc)."""
-    if not model.use_cuda_graph or model._recurrent_state:
+    if not model.use_cuda_graph:
         return False
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)

@@ -202,17 +202,18 @@ def chunk_sizes(chunk: int) -> list[int]:
     return sorted({chunk} | {1 << i for i in range(chunk.bit_length()) if 1 << i < chunk}, reverse=True)
 
 
-def chunk_plan(length: int, chunk: int, max_seq_len: int, pad: bool) -> list[tuple[int, int, int]]:
+def chunk_plan(length: int, chunk: int, max_seq_len: int) -> list[tuple[int, int, int]]:
     """(start, tokens, padded length) of each prefill chunk of a ``length``-token prompt.
 
-    Whole ``chunk``-token chunks, then the rest: with ``pad`` (attention-only models: padding after
-    the prompt is invisible to it) one chunk padded up to the next length of :func:`chunk_sizes`;
-    without (conv / recurrent state would run through the padding) the rest split into those lengths
-    (binary), each exact. Why a fixed set of lengths: kernels specialise on the length (Triton's
-    divisibility keys, token-count thresholds), and warm-up runs each length once.
+    Whole ``chunk``-token chunks, then the rest as one chunk padded up to the next length of
+    :func:`chunk_sizes` (padding after the prompt is invisible to causal attention, and conv /
+    recurrent mixers stop their state at the last real token); where the padding would pass
+    ``max_seq_len``, the rest split into those lengths (binary), each exact. Why a fixed set of
+    lengths: kernels specialise on the length (Triton's divisibility keys, token-count thresholds),
+    warm-up runs each length once, and a first chunk replays a CUDA graph of its length.
 
     Example:
-        >>> chunk_plan(1100, 512, 4096, pad=True)
+        >>> chunk_plan(1100, 512, 4096)
         [(0, 512, 512), (512, 512, 512), (1024, 76, 128)]
     """
     sizes = chunk_sizes(chunk)
@@ -221,7 +222,7 @@ def chunk_plan(length: int, chunk: int, max_seq_len: int, pad: bool) -> list[tup
         plan.append((start, chunk, chunk))
         start += chunk
     rest = length - start
-    if rest and pad:
+    if rest:
         fit = min(s for s in sizes if s >= rest)
         if start + fit <= max_seq_len:
             return plan + [(start, rest, fit)]
@@ -328,7 +329,6 @@ class Scheduler:
         B = model.max_batch_size
         self.slots = B
         self.buckets = sorted({min(1 << i, B) for i in range(B.bit_length() + 1)})
-        self._pad = not model._recurrent_state  # see chunk_plan
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._queue: deque[_Job] = deque()
@@ -362,7 +362,7 @@ class Scheduler:
         jobs = []
         for request in requests:
             stop_ids = self._validate(request)
-            plan = chunk_plan(len(request.prompt), self.prefill_chunk, self.model.max_seq_len, self._pad)
+            plan = chunk_plan(len(request.prompt), self.prefill_chunk, self.model.max_seq_len)
             jobs.append(_Job(Handle(request, self), stop_ids, self.model.tokenizer, plan, self.model.seed_source))
         with self._lock:
             if self._stopping:
@@ -419,7 +419,7 @@ class Scheduler:
             raise ValueError(f"row: expected a cache row in [0, {self.slots}), got {row}")
 
         def run():
-            plan = chunk_plan(len(prompt), self.prefill_chunk, self.model.max_seq_len, self._pad)
+            plan = chunk_plan(len(prompt), self.prefill_chunk, self.model.max_seq_len)
             logits = None
             with torch.no_grad():
                 for start, n, padded in plan:

@@ -342,8 +342,10 @@ class CausalLM(nn.Module):
         def attend(i, attn, h):
             cache = None if caches is None else caches[i]
             # start passed only when non-zero: a mixer wrapped by another module keeps the 4-argument call
-            return attn.prefill(h, self.cos, self.sin, cache, start=start) if start else \
-                attn.prefill(h, self.cos, self.sin, cache)
+            kw = {"start": start} if start else {}
+            if last_index is not None and getattr(attn, "recurrent", False):
+                kw["last_index"] = last_index  # a state must not run through the padding (attention is causal)
+            return attn.prefill(h, self.cos, self.sin, cache, **kw)
         return self._run(x, attend, last_only, last_index)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,

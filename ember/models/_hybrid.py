@@ -52,6 +52,24 @@ def kv_cache_spec(max_batch_size: int, max_seq_len: int, dtype: torch.dtype, num
     return kv, kv
 
 
+def conv_state_at(before: torch.Tensor, inputs: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+    """The conv state a chunk leaves when its real tokens end at ``last_index`` (int64 [1], on the
+    device) and padding follows: the K-1 conv inputs up to and including that position.
+
+    ``before`` [B, C, K-1]: the state before the chunk; ``inputs`` [B, C, T]: the chunk's conv inputs.
+    A device-side gather (no host sync), so a padded prefill captured in a CUDA graph keeps the state
+    an exact-length prefill would leave.
+
+    Example:
+        >>> before, x = torch.zeros(1, 4, 2), torch.randn(1, 4, 8)
+        >>> conv_state_at(before, x, torch.tensor([4])).equal(x[:, :, 3:5])
+        True
+    """
+    keep = before.shape[2]
+    index = last_index + 1 + torch.arange(keep, device=inputs.device)
+    return torch.cat([before, inputs], dim=2).index_select(2, index)
+
+
 # ----------------------------------------------------------------------------- checkpoint helpers
 def renamed(src: _common.TensorSource, rename) -> _common.TensorSource:
     """A view of ``src`` under the names ``rename(checkpoint_name)`` gives (None hides a tensor).

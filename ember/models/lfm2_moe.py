@@ -64,17 +64,23 @@ class ShortConv(nn.Module):
         return (((max_batch_size, self.channels, self.kernel_size - 1), dtype),)
 
     def prefill(self, h: torch.Tensor, cos, sin, cache: tuple[torch.Tensor] | None = None,
-                start: int = 0) -> torch.Tensor:
+                start: int = 0, last_index: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, H] at positions start..start+T-1 -> [B, T, H]; leaves the last K-1 conv inputs in the
-        cache (``start`` > 0: a later chunk, continuing from the inputs the cache holds)."""
+        cache (``start`` > 0: a later chunk, continuing from the inputs the cache holds). ``last_index``
+        (int64 [1], on the device): the chunk's real tokens end there and padding follows, which the
+        state leaves out."""
         b, c, x = self.in_proj(h).chunk(3, dim=-1)                          # each [B, T, H]
-        state = None
+        state = before = None
         if cache is not None:
             state = cache[0][: h.shape[0]]
             if not start:
                 state.zero_()  # a fresh sequence: the conv sees zeros before position 0
+            if last_index is not None:
+                before = state.clone()
         y = ember.ops.causal_conv1d(x.transpose(1, 2), self.conv_weight, self.conv_bias, conv_state=state,
                                     gate_in=b.transpose(1, 2), gate_out=c.transpose(1, 2), channels_last=True)
+        if before is not None:  # the conv inputs are b * x in the model dtype, as the op rounds them
+            state.copy_(_hybrid.conv_state_at(before, (b * x).transpose(1, 2), last_index))
         return self.out_proj(y.transpose(1, 2))
 
     def decode(self, h: torch.Tensor, positions, seq_lens, cos, sin, cache: tuple[torch.Tensor]) -> torch.Tensor:

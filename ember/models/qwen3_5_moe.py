@@ -69,7 +69,7 @@ class GatedDeltaNet(nn.Module):
         return (((max_batch_size, self.conv_dim, K - 1), dtype),
                 ((max_batch_size, self.hv, self.dk, self.dv), torch.float32))
 
-    def _mix(self, h: torch.Tensor, conv_state, state) -> torch.Tensor:
+    def _mix(self, h: torch.Tensor, conv_state, state, last_index: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, H] -> [B, T, H], continuing from (and updating) the given states (None: zeros).
 
         Six launches at T = 1 (3 GEMVs, conv, delta rule, gated norm; counted by
@@ -83,8 +83,18 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = h.shape
         qkv, z = self.proj(h).split(self.split, dim=-1)
         b, a = self.proj_ba(h).split([self.hv, self.hv], dim=-1)
-        qkv = ember.ops.causal_conv1d(qkv.transpose(1, 2), self.conv_weight, conv_state=conv_state,
+        before = None
+        if last_index is not None:
+            # padding after the real tokens leaves the recurrent state as it was: decay exp(0) = 1
+            # (softplus(-inf) = 0) and beta = sigmoid(-inf) = 0, exactly, in the kernel and in torch
+            pad = (torch.arange(T, device=h.device) > last_index)[None, :, None]
+            a, b = a.masked_fill(pad, float("-inf")), b.masked_fill(pad, float("-inf"))
+            before = conv_state.clone()
+        conv_in = qkv.transpose(1, 2)
+        qkv = ember.ops.causal_conv1d(conv_in, self.conv_weight, conv_state=conv_state,
                                       activation="silu", channels_last=True).transpose(1, 2)  # [B, T, conv_dim]
+        if before is not None:
+            conv_state.copy_(_hybrid.conv_state_at(before, conv_in, last_index))
         kd = self.hk * self.dk
         q, k, v = qkv.split([kd, kd, self.hv * self.dv], dim=-1)
         o = ember.ops.gated_delta_rule(q.reshape(B, T, self.hk, self.dk), k.reshape(B, T, self.hk, self.dk),
@@ -94,16 +104,18 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, T, self.hv * self.dv))
 
     def prefill(self, h: torch.Tensor, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-                start: int = 0) -> torch.Tensor:
+                start: int = 0, last_index: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, H] at positions start..start+T-1; writes the final conv and recurrent states into the
-        cache (``start`` > 0: a later chunk, continuing from the states the cache holds)."""
+        cache (``start`` > 0: a later chunk, continuing from the states the cache holds). ``last_index``
+        (int64 [1], on the device): the chunk's real tokens end there and padding follows, which the
+        states leave out."""
         if cache is None:
             return self._mix(h, None, None)
         conv_state, state = cache[0][: h.shape[0]], cache[1][: h.shape[0]]
         if not start:
             conv_state.zero_()  # a fresh sequence: whatever a previous request left is discarded
             state.zero_()
-        return self._mix(h, conv_state, state)
+        return self._mix(h, conv_state, state, last_index)
 
     def decode(self, h: torch.Tensor, positions, seq_lens, cos, sin, cache) -> torch.Tensor:
         """h [B, H], one token per row -> [B, H]; advances both states in place."""

@@ -54,12 +54,12 @@ def run(sched, prompt, n, sampling=GREEDY, **kw):
 
 
 def test_chunk_plan_pads_or_splits_into_the_fixed_lengths():
-    assert chunk_plan(1100, 512, 4096, pad=True) == [(0, 512, 512), (512, 512, 512), (1024, 76, 128)]
-    assert chunk_plan(1100, 512, 4096, pad=False) == [(0, 512, 512), (512, 512, 512), (1024, 64, 64),
-                                                      (1088, 8, 8), (1096, 4, 4)]
-    assert chunk_plan(1100, 512, 1120, pad=True)[-1] == (1096, 4, 4)  # padding would pass max_seq_len
+    assert chunk_plan(1100, 512, 4096) == [(0, 512, 512), (512, 512, 512), (1024, 76, 128)]
+    # padding would pass max_seq_len: the rest split into exact power-of-two chunks
+    assert chunk_plan(1100, 512, 1120) == [(0, 512, 512), (512, 512, 512), (1024, 64, 64), (1088, 8, 8),
+                                           (1096, 4, 4)]
     for L in range(1, 40):
-        plan = chunk_plan(L, 8, 64, pad=False)
+        plan = chunk_plan(L, 8, L)
         assert sum(n for _, n, _ in plan) == L and all(n == p and n in (1, 2, 4, 8) for _, n, p in plan)
         assert [s for s, _, _ in plan] == [sum(n for _, n, _ in plan[:i]) for i in range(len(plan))]
 
@@ -231,8 +231,8 @@ def test_stop_strings_need_a_tokenizer(model):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "lfm2_moe"])
 def test_chunked_prefill_equals_whole_prompt(family, moe_path, lfm2_path):
-    # lfm2_moe: conv state carried across chunks, no padding; qwen3_moe: the last chunk padded, later
-    # chunks attend over the cached prefix
+    # both: the last chunk padded, later chunks attend over the cached prefix; lfm2_moe: the conv
+    # state carried across chunks and stopped at the last real token of the padded one
     path = lfm2_path if family == "lfm2_moe" else moe_path
     m = ember.load(path, device="cpu", max_seq_len=64, max_batch_size=2)
     prompt = torch.randint(1, 90, (23,)).tolist()
@@ -240,7 +240,7 @@ def test_chunked_prefill_equals_whole_prompt(family, moe_path, lfm2_path):
     ref = whole.prefill_last(1, prompt)
     _, want = run(whole, prompt, 10)
     chunked = Scheduler(m, prefill_chunk=4)
-    assert len(chunk_plan(23, 4, 64, chunked._pad)) > 5
+    assert len(chunk_plan(23, 4, 64)) == 6 and chunk_plan(23, 4, 64)[-1] == (20, 3, 4)
     torch.testing.assert_close(chunked.prefill_last(1, prompt), ref, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(ref, m(torch.tensor([prompt]))[:, -1], rtol=1e-5, atol=1e-5)

@@ -146,6 +146,34 @@ def test_kernel_raw_gates_interpreter(interpreter, dtype, B, T, HK, HV, DK, DV):
     torch.testing.assert_close(s_raw, s_exp, atol=1e-5, rtol=1e-5)
 
 
+def _padding_is_a_no_op(device):
+    """Tokens with raw gates a = b = -inf (decay exp(0) = 1, beta = 0: how a padded prefill chunk
+    masks its padding) leave the state bit for bit where the real tokens left it."""
+    q, k, v, _, _ = _inputs(1, 7, 2, 4, 16, 24, torch.float32, device)
+    a, dt_bias, neg_a, b = _raw_gates(1, 7, 4, torch.float32, device)
+    state = torch.randn(1, 4, 16, 24, device=device)
+    exact = state.clone()
+    ember.ops.gated_delta_rule(q[:, :4], k[:, :4], v[:, :4], a=a[:, :4], dt_bias=dt_bias, neg_a=neg_a, b=b[:, :4],
+                               state=exact)
+    a[:, 4:], b[:, 4:] = float("-inf"), float("-inf")
+    padded = state.clone()
+    o = ember.ops.gated_delta_rule(q, k, v, a=a, dt_bias=dt_bias, neg_a=neg_a, b=b, state=padded)
+    assert torch.equal(padded, exact) and torch.isfinite(o).all()
+
+
+def test_masked_tokens_leave_the_state_unchanged_reference():
+    _padding_is_a_no_op("cpu")
+
+
+def test_masked_tokens_leave_the_state_unchanged_interpreter(interpreter):
+    _padding_is_a_no_op("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_masked_tokens_leave_the_state_unchanged(cuda):
+    _padding_is_a_no_op(cuda)
+
+
 def test_compile_fullgraph_raw_gates():
     q, k, v, _, _ = _inputs(1, 1, 2, 4, 16, 16)
     a, dt_bias, neg_a, b = _raw_gates(1, 1, 4)

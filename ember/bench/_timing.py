@@ -137,15 +137,19 @@ def triton_compile_timer():
         ... finally:
         ...     remove()
     """
+    import threading
     from triton import knobs
     done, started = [], {}
 
+    # keyed by thread as well: warm-up compiles from a pool of threads, a thread compiles one variant
+    # at a time, and ``repr`` names the argument types only, so two variants of one kernel that differ
+    # in their constexprs share it (keyed by repr alone, one overwrote the other's start and was lost)
     def pre(*, repr, **_):
-        started[repr] = time.perf_counter()
+        started[threading.get_ident(), repr] = time.perf_counter()
         return False  # never skip the compile
 
     def post(*, repr, **_):
-        t0 = started.pop(repr, None)
+        t0 = started.pop((threading.get_ident(), repr), None)
         if t0 is not None:
             done.append((repr.split("[", 1)[0], time.perf_counter() - t0))
 

@@ -184,3 +184,39 @@ def test_moe_hybrid_step_bytes_grow_with_the_attention_layers_cache_only():
     assert moe_hybrid.step_bytes(model, 10) - moe_hybrid.step_bytes(model, 0) == pytest.approx(10 * kv_token)
     states = sum(t.numel() * t.element_size() for c in recurrent for t in c)
     assert moe_hybrid.step_bytes(model, 0) == pytest.approx(moe_hybrid.decode_bytes(model.net) + 2 * states)
+
+
+def test_compile_timer_keeps_two_threads_compiling_variants_of_one_kernel():
+    """Warm-up compiles from threads; two variants of one kernel that differ only in constexprs share
+    Triton's hook ``repr``. Both compiles are timed, each from its own start."""
+    import threading
+    from triton import knobs
+    from ember.bench import _timing
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    compiles, remove = _timing.triton_compile_timer()
+    pre, post = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    repr_ = "gemv_kernel[num_warps=4](x_ptr: *bf16)"
+    first_started, second_done = threading.Event(), threading.Event()
+
+    def first():
+        assert pre(repr=repr_) is False  # never skips the compile
+        first_started.set()
+        second_done.wait(5)  # the other thread starts and ends its compile meanwhile
+        post(repr=repr_)
+
+    def second():
+        first_started.wait(5)
+        pre(repr=repr_)
+        post(repr=repr_)
+        second_done.set()
+    try:
+        threads = [threading.Thread(target=f) for f in (first, second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    finally:
+        remove()
+    assert [name for name, _ in compiles] == ["gemv_kernel", "gemv_kernel"]
+    assert compiles[1][1] >= compiles[0][1] >= 0  # the first spans the second
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before

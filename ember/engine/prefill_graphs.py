@@ -71,10 +71,8 @@ def staged_prefill(model, staging, ids: torch.Tensor, last: torch.Tensor, row: t
 
 def can_capture(model) -> bool:
     """Whether ``model``'s first prefill chunks can run as graphs (see the module doc)."""
-    if not model.use_cuda_graph:
-        return False
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    from ember.engine import _tensor_parallel
+    return model.use_cuda_graph and not _tensor_parallel()
 
 
 def capture(model, lengths) -> float:

@@ -61,20 +61,34 @@ def test_model_takes_the_derived_chunk_unless_given(moe_path):
     assert given.scheduler.prefill_chunk == 16
 
 
+def _poison(caches) -> list[tuple[torch.Tensor, ...]]:
+    """Fill every cache with noise (an entry or state a prefill should write but does not shows) and
+    return a copy to compare against or put back with ``_restore``."""
+    for layer in caches:
+        for t in layer:
+            t.normal_()
+    return _snapshot(caches)
+
+
+def _snapshot(caches) -> list[tuple[torch.Tensor, ...]]:
+    return [tuple(t.clone() for t in layer) for layer in caches]
+
+
+def _restore(caches, saved) -> None:
+    for layer, copies in zip(caches, saved):
+        for t, s in zip(layer, copies):
+            t.copy_(s)
+
+
 @pytest.mark.parametrize("row,n,length", [(2, 11, 16), (0, 16, 16), (3, 1, 8)])
 def test_staged_prefill_equals_the_eager_chunk(moe_path, row, n, length):
     m = ember.load(moe_path, device="cpu", max_seq_len=64, max_batch_size=4)
-    for layer in m.caches:  # poison: an entry the prefill should write but does not shows
-        for t in layer:
-            t.normal_()
-    before = [tuple(t.clone() for t in layer) for layer in m.caches]
+    before = _poison(m.caches)
     ids = torch.randint(0, m.net.vocab_size, (n,)).tolist()
     with torch.no_grad():
         want = m._prefill_chunk(row, ids, 0, length)
-        eager = [tuple(t.clone() for t in layer) for layer in m.caches]
-        for layer, saved in zip(m.caches, before):
-            for t, s in zip(layer, saved):
-                t.copy_(s)
+        eager = _snapshot(m.caches)
+        _restore(m.caches, before)
         staging = m.net.allocate_caches(1, 32, m.dtype, m.device)  # longer than the chunk, as for shorter graphs
         padded = torch.tensor([ids + [0] * (length - n)])
         got = prefill_graphs.staged_prefill(m, staging, padded, torch.tensor([n - 1]), torch.tensor([row]), length)
@@ -112,21 +126,14 @@ def test_hybrid_staged_prefill_leaves_the_states_of_an_exact_length_prefill(hybr
     ``row`` keep theirs."""
     m = ember.load(hybrid_paths[family], dtype=torch.float32, max_seq_len=32, max_batch_size=3)
     assert m._recurrent_state
-    for layer in m.caches:  # poison: a state the prefill should rewrite but does not shows
-        for t in layer:
-            t.normal_()
-    before = [tuple(t.clone() for t in layer) for layer in m.caches]
+    before = _poison(m.caches)
     ids = torch.randint(1, m.net.vocab_size, (n,)).tolist()
     with torch.no_grad():
         want = m._prefill_chunk(row, ids, 0, n)  # exact length: no padding, no last_index
-        exact = [tuple(t.clone() for t in layer) for layer in m.caches]
-        for layer, saved in zip(m.caches, before):
-            for t, s in zip(layer, saved):
-                t.copy_(s)
+        exact = _snapshot(m.caches)
+        _restore(m.caches, before)
         staging = m.net.allocate_caches(1, 16, m.dtype, m.device)
-        for layer in staging:  # a previous prompt's states in the staging caches must not leak either
-            for t in layer:
-                t.normal_()
+        _poison(staging)  # a previous prompt's states in the staging caches must not leak either
         padded = torch.tensor([ids + [7] * (length - n)])
         got = prefill_graphs.staged_prefill(m, staging, padded, torch.tensor([n - 1]), torch.tensor([row]), length)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,12 +1,10 @@
 """Where the Qwen3-30B-A3B decode step's time goes, kernel by kernel, inside the CUDA graph.
 
-With programmatic dependent launch a kernel starts while the one before it finishes, so a kernel's
-own duration overlaps its neighbours'. What each kernel adds to the chain is the step from the
-previous kernel's end to its own end (``incr_us``); summed over a replay it is the step time. The
-probe profiles a few replays of the captured decode step (torch.profiler/CUPTI reports each kernel
-node of a graph), takes the last one, groups its kernels by name and gives, per name, calls, mean
-duration, mean increment, and the HBM floor of the bytes that kernel reads (bf16 / fp8 weights of
-the Qwen3-30B-A3B shapes at 4.15 TB/s), so the overhead per kernel is increment - floor.
+``ember.bench._timeline`` profiles a few replays of the captured decode step and gives, per kernel
+name, calls, mean duration and what the kernel adds to the chain (``incr_us``; its docstring says why
+that, not the duration, sums to the step). This tool adds the HBM floor of the bytes each kernel reads
+(bf16 / fp8 weights of the Qwen3-30B-A3B shapes at 4.15 TB/s), so the overhead per kernel is
+increment - floor.
 
     python bench/step_timeline.py OUT_JSON [--fp8] [--cache 400] [--batch 1]
 
@@ -15,11 +13,10 @@ expert GEMVs are those of batch 1, so compare increments between runs, not again
 """
 import argparse
 import json
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from ember.bench import _timeline
 from ember.bench import moe as moe_bench
 
 BW = 4.15e12
@@ -33,51 +30,9 @@ def floors_us(fp8: bool) -> dict:
     return {k: v / BW * 1e6 for k, v in mb.items()}
 
 
-def step_kernels(model, replays: int = 5, batch: int = 1) -> list[dict]:
-    g = moe_bench.step_graph(model, batch)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            g.replay()
-            torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    evs.sort(key=lambda e: e.time_range.start)
-    # replays are separated by host syncs: split where the gap exceeds 20 us
-    groups, cur = [], []
-    for e in evs:
-        if cur and e.time_range.start - max(c.time_range.end for c in cur) > 20:
-            groups.append(cur)
-            cur = []
-        cur.append(e)
-    groups.append(cur)
-    last = groups[-1]
-    out, prev_end = [], last[0].time_range.start
-    for e in last:
-        end = e.time_range.end
-        out.append({"name": e.name[:60], "start": e.time_range.start, "dur_us": e.time_range.elapsed_us(),
-                    "incr_us": end - prev_end})
-        prev_end = max(prev_end, end)
-    return out
-
-
 def summarise(kernels: list[dict], fp8: bool) -> dict:
-    by = defaultdict(lambda: {"calls": 0, "dur_us": 0.0, "incr_us": 0.0})
-    for k in kernels:
-        b = by[k["name"]]
-        b["calls"] += 1
-        b["dur_us"] += k["dur_us"]
-        b["incr_us"] += k["incr_us"]
-    total = sum(k["incr_us"] for k in kernels)
-    rows = {n: {"calls": b["calls"], "mean_dur_us": round(b["dur_us"] / b["calls"], 2),
-                "mean_incr_us": round(b["incr_us"] / b["calls"], 2), "share": round(b["incr_us"] / total, 3)}
-            for n, b in sorted(by.items(), key=lambda kv: -kv[1]["incr_us"])}
-    span = kernels[-1]["start"] + kernels[-1]["dur_us"] - kernels[0]["start"]
-    return {"step_us_sum_of_increments": round(total, 1), "step_span_us": round(span, 1), "kernels": len(kernels),
-            "by_name": rows, "floors_us": {k: round(v, 2) for k, v in floors_us(fp8).items()},
-            "first_layer_sequence": [(k["name"][:40], round(k["dur_us"], 2), round(k["incr_us"], 2))
-                                     for k in kernels[:16]]}
+    """``_timeline.summarise`` with the per-kernel floors of the Qwen3-30B-A3B shapes."""
+    return _timeline.summarise(kernels) | {"floors_us": {k: round(v, 2) for k, v in floors_us(fp8).items()}}
 
 
 def main(path: str, fp8_too: bool, cache: int, batch: int) -> None:
@@ -87,7 +42,7 @@ def main(path: str, fp8_too: bool, cache: int, batch: int) -> None:
         em = moe_bench.ember_from_hf(hf, cfg, fp8=fp8, max_seq_len=cache, max_batch_size=batch)
         moe_bench.ember_decode(em, [list(range(100 + r, 228 + r)) for r in range(batch)], 32)
         key = "fp8" if fp8 else "bf16"
-        res[key] = summarise(step_kernels(em, batch=batch), fp8)
+        res[key] = summarise(_timeline.step_kernels(moe_bench.step_graph(em, batch)), fp8)
         res[key]["graph_step_ms"] = moe_bench.graph_step_ms(em, batch)
         print(key, json.dumps(res[key], indent=1)[:3000], flush=True)
         em = None

@@ -19,6 +19,8 @@ the new tokens of the first ``model.generate`` after warm-up over its wall clock
     E(1 - (1 - k/E)^8) distinct experts a layer (``step_bytes``).
   * ``_fp8_b1``: >= 900 tok/s with the bf16 lm_head FP8 checkpoints ship (an fp8-head figure beside).
   * ``_bf16_prefill2048`` (tok/s): >= 2x HF's forward.
+A b1 row that misses its target on the GPU carries ``step_timeline`` (``bench._timeline``: what each
+kernel adds to the captured step) beside the bf16 row's per-part ``breakdown_*_us``.
 HF's figures sit in each row (the b1 rows' ``baseline``); a CPU (``--quick``) run judges nothing.
 ``ember bench moe --hf-compile`` also times HF's static cache + torch.compile generate (~70 s of
 compilation, timed separately); ``--variants`` times the decode step's variants (STEP_VARIANTS)
@@ -31,7 +33,7 @@ import time
 
 import torch
 
-from ember.bench import BenchContext, Row, _timing, variant
+from ember.bench import BenchContext, Row, _timeline, _timing, variant
 
 COPY_BW = 4.155e12
 PROMPT, NEW = 128, 256
@@ -305,6 +307,7 @@ def run(ctx: BenchContext) -> list[Row]:
         print(f"bf16 b1: {r['tok_s']:.1f} tok/s, step {step_ms:.3f} ms, floor {floor_ms:.3f} ms", flush=True)
         if r["tok_s"] < B1_FRACTION / floor_ms * 1e3:
             extra.update(breakdown_us(em))
+            extra["step_timeline"] = _timeline.row_timeline(step_graph(em, 1))
         if ctx.variants:
             extra["graph_step_ms_variants"] = step_variants(hf, cfg, em, ids, prompt_len + new + 8)
     # the floors are H200 figures: a CPU (quick) run judges nothing
@@ -392,6 +395,8 @@ def _fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default):
         if ctx.on_gpu:
             step_ms = graph_step_ms(em_fp8, 1)
             extra.update(graph_step_ms=step_ms, graph_step_fraction_of_roofline=floor_ms / step_ms)
+            if rf["tok_s"] < FP8_TOK_S:
+                extra["step_timeline"] = _timeline.row_timeline(step_graph(em_fp8, 1))
         try:  # a reported extra: its failure must not zero the row's own figure
             extra.update(_fp8_lm_head_figures(em_fp8, hf, cfg, ids, new, prompt_len, ctx.on_gpu))
         except Exception as e:

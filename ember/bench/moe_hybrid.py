@@ -18,7 +18,8 @@ tok/s; the earlier 30x / 40x of HF's fastest setting lay above these floors); ``
 reported, aiming at 1.5x its bf16 row. ember is timed as a user runs it: the engine's Model
 (``model.warmup()``, then ``model.generate`` of 256 new tokens after a 128-token prompt, greedy);
 the row's figure is the engine's decode rate, ``e2e_tok_s`` the call's wall-clock rate with prefill
-included, ``graph_step_ms`` a replay of the decode graph it ran (CUDA events). transformers runs
+included, ``graph_step_ms`` a replay of the decode graph it ran (CUDA events) and ``step_timeline`` what each
+of its kernels adds to the step (``bench._timeline``). transformers runs
 ``generate`` (default experts and eager experts; decode rate from the time of n+1 tokens minus 1
 token, as baseline_h200.py measures); with ``--hf-compile`` also with a static cache +
 torch.compile (the rate of a second identical generate, as ``ember bench moe`` times it), recorded
@@ -31,7 +32,7 @@ import time
 
 import torch
 
-from ember.bench import BenchContext, Row, variant
+from ember.bench import BenchContext, Row, _timeline, variant
 from ember.bench import moe as moe_bench
 
 COPY_BW = 4.155e12
@@ -176,7 +177,8 @@ def _family_rows(ctx: BenchContext, kind: str) -> list[Row]:
                          prompt=prompt, new_tokens=steps)
             if ctx.on_gpu:
                 step_ms = moe_bench.graph_step_ms(model, 1)
-                extra.update(graph_step_ms=step_ms, graph_step_fraction_of_roofline=floor_ms / step_ms)
+                extra.update(graph_step_ms=step_ms, graph_step_fraction_of_roofline=floor_ms / step_ms,
+                             step_timeline=_timeline.row_timeline(moe_bench.step_graph(model, 1)))
             if not fp8 and ctx.on_gpu and ctx.variants:
                 extra["tok_s_variants"] = {v: _variant_tok_s(net, cfg, ids, steps, spec) for v, spec in VARIANTS.items()}
                 print(f"{name} variants (tok/s):", extra["tok_s_variants"], flush=True)

@@ -9,7 +9,10 @@ the first compiles every kernel variant into the empty cache (``cold``), the sec
 (``warm``). Each run also reports what its Triton compiles took (the time between Triton's
 ``jit_cache_hook`` and ``jit_post_compile_hook`` per kernel variant: compiling, or reading the
 on-disk cache when it is warm), the slowest variants by name, and the seconds spent capturing CUDA
-graphs (``Model.capture_s``). Warm-up compiles from a pool of threads (``Model._compile_ahead``), so
+graphs (``Model.capture_s``), and how many variants Triton loaded from its cache (``cache_hits``) or
+compiled (``cache_misses``); the warm run's ``recompiled`` says what it compiled again and whether the
+cold run had built the same specialization under another cache key (``_timing.cache_misses_explained``).
+Warm-up compiles from a pool of threads (``Model._compile_ahead``), so
 ``compile_s``, the sum over variants, can exceed the wall clock it overlapped.
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ def measure(quick: bool, device: torch.device, prompt_len: int, max_seq_len: int
     del hf
     cuda = device.type == "cuda"
     compiles, remove = _timing.triton_compile_timer() if cuda else ([], lambda: None)
+    cache_log, remove_log = _timing.triton_cache_log() if cuda else ([], lambda: None)
     try:
         if cuda:
             torch.cuda.synchronize(device)
@@ -49,13 +53,16 @@ def measure(quick: bool, device: torch.device, prompt_len: int, max_seq_len: int
         first_token_s = time.perf_counter() - t0
     finally:
         remove()
+        remove_log()
     per_kernel: dict[str, float] = {}
     for name, s in compiles:
         per_kernel[name] = per_kernel.get(name, 0.0) + s
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
     return {"first_token_s": first_token_s, "warmup_s": warm, "capture_s": model.capture_s,
             "compile_s": sum(s for _, s in compiles), "compiles": len(compiles),
-            "slowest_kernels_s": {k: round(v, 3) for k, v in top}, "tokens": len(out[0])}
+            "slowest_kernels_s": {k: round(v, 3) for k, v in top}, "tokens": len(out[0]),
+            "cache_hits": sum(e["hit"] for e in cache_log), "cache_misses": sum(not e["hit"] for e in cache_log),
+            "cache_log": cache_log}
 
 
 def cold_and_warm(quick: bool, device: torch.device, prompt_len: int, max_seq_len: int,
@@ -75,6 +82,9 @@ def cold_and_warm(quick: bool, device: torch.device, prompt_len: int, max_seq_le
             if r.returncode != 0:
                 return {"error": f"{name} run failed: {r.stderr[-1500:]}"}
             out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    # the warm run should load every variant the cold one built: say what it compiled again and why
+    out["warm"]["recompiled"] = _timing.cache_misses_explained(out["cold"].pop("cache_log"),
+                                                               out["warm"].pop("cache_log"))
     return out
 
 

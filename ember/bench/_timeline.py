@@ -17,10 +17,6 @@ from collections import defaultdict
 
 import torch
 
-# replays are separated by host syncs: a gap longer than this (us) starts the next replay
-REPLAY_GAP_US = 20
-
-
 def step_kernels(graph, replays: int = 5) -> list[dict]:
     """The kernels of the last of ``replays`` profiled replays of ``graph`` (a captured CUDA graph),
     in start order: name, start (us), own duration and what each adds to the chain (``incr_us``)."""
@@ -34,24 +30,19 @@ def step_kernels(graph, replays: int = 5) -> list[dict]:
             torch.cuda.synchronize()
     evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in evs]
-    return increments(spans)
+    return increments([(e.name, e.time_range.start, e.time_range.end) for e in evs], replays)
 
 
-def increments(spans: list[tuple[str, float, float]]) -> list[dict]:
-    """The last replay's kernels of ``spans`` ((name, start us, end us) in start order; replays are
-    apart by more than REPLAY_GAP_US) with each kernel's duration and increment over the latest end
-    before it."""
-    groups, cur, cur_end = [], [], None
-    for s in spans:
-        if cur and s[1] - cur_end > REPLAY_GAP_US:
-            groups.append(cur)
-            cur = []
-        cur_end = s[2] if not cur else max(cur_end, s[2])
-        cur.append(s)
-    groups.append(cur)
-    last = groups[-1]
-    out, prev_end = [], last[0][1] if last else 0.0
+def increments(spans: list[tuple[str, float, float]], replays: int) -> list[dict]:
+    """The last replay's kernels of ``spans`` ((name, start us, end us) of ``replays`` replays of one
+    graph, in start order) with each kernel's duration and increment over the latest end before it.
+    Every replay launches the graph's kernels, so a replay is len(spans) / replays of them (a gap
+    between replays can be shorter than a kernel: on an H100 a sync and a replay of two tiny kernels
+    took under 20 us); a count that does not divide is a ValueError."""
+    if not spans or len(spans) % replays:
+        raise ValueError(f"step timeline: {len(spans)} kernels over {replays} replays of one graph")
+    last = spans[-(len(spans) // replays):]
+    out, prev_end = [], last[0][1]
     for name, start, end in last:
         out.append({"name": name[:60], "start": start, "dur_us": end - start, "incr_us": max(0.0, end - prev_end)})
         prev_end = max(prev_end, end)

@@ -159,3 +159,64 @@ def triton_compile_timer():
     def remove():
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
     return done, remove
+
+
+def triton_cache_log():
+    """Install a Triton compilation listener that records, for every kernel variant this process
+    builds, whether Triton's on-disk cache had it; returns the list it fills and a function that
+    removes it (and puts back any listener before it). Each entry: ``kernel``, ``hit``, ``hash`` (the
+    cache key), ``fn_key`` (the kernel source's own key), ``spec`` (signature, constexprs and
+    specialization attributes as text): a second process over the same cache that misses a variant
+    the first one built with the same ``spec`` has a cache key that differs between processes.
+
+    Example:
+        >>> log, remove = triton_cache_log()
+        >>> try:
+        ...     run_something()
+        ... finally:
+        ...     remove()
+        >>> [e["kernel"] for e in log if not e["hit"]]   # what was compiled, not loaded
+    """
+    import threading
+    from triton import knobs
+    log, lock = [], threading.Lock()
+    before = knobs.compilation.listener
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        if before is not None:
+            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        fn = getattr(src, "fn", None)
+        spec = (f"{sorted(getattr(src, 'signature', {}).items())} {sorted(getattr(src, 'constants', {}).items())} "
+                f"{getattr(src, 'attrs', '')}")
+        with lock:
+            log.append({"kernel": getattr(src, "name", "?"), "hit": bool(cache_hit), "hash": metadata.get("hash"),
+                        "fn_key": getattr(fn, "cache_key", None), "spec": spec})
+
+    knobs.compilation.listener = listener
+
+    def remove():
+        knobs.compilation.listener = before
+    return log, remove
+
+
+def cache_misses_explained(first: list[dict], second: list[dict]) -> dict:
+    """What a second process over the cache the first one filled (``triton_cache_log`` entries of each)
+    compiled again: ``misses`` (count), ``new_variants`` (kernels whose specialization the first
+    process never built: a different warm-up), ``same_spec_other_key`` (built by the first with the
+    same signature, constexprs and attributes under another cache key: the key is not stable across
+    processes; with whether the kernel source's own key differed)."""
+    built = {}
+    for e in first:
+        built.setdefault((e["kernel"], e["spec"]), e)
+    new, unstable = [], []
+    for e in second:
+        if e["hit"]:
+            continue
+        seen = built.get((e["kernel"], e["spec"]))
+        if seen is None:
+            new.append(e["kernel"])
+        else:
+            unstable.append({"kernel": e["kernel"], "source_key_differs": seen["fn_key"] != e["fn_key"],
+                             "spec": e["spec"][:600]})
+    return {"misses": sum(not e["hit"] for e in second), "new_variants": sorted(new),
+            "same_spec_other_key": unstable[:20]}

@@ -220,3 +220,39 @@ def test_compile_timer_keeps_two_threads_compiling_variants_of_one_kernel():
     assert [name for name, _ in compiles] == ["gemv_kernel", "gemv_kernel"]
     assert compiles[1][1] >= compiles[0][1] >= 0  # the first spans the second
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+
+
+def test_cache_log_records_hits_and_misses_and_puts_the_listener_back():
+    """The listener sees each variant Triton builds, loaded from its cache or compiled (called here as
+    Triton's compile calls it); removing it restores the listener that was there."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+    from ember.bench import _timing
+    seen = []
+    knobs.compilation.listener = lambda **kw: seen.append(kw["cache_hit"])
+    try:
+        log, remove = _timing.triton_cache_log()
+        src = SimpleNamespace(name="gemv_kernel", fn=SimpleNamespace(cache_key="k1"), signature={"x": "*bf16"},
+                              constants={(3,): 8}, attrs={(0,): [["tt.divisibility", 16]]})
+        for hit in (True, False):
+            knobs.compilation.listener(src=src, metadata={"hash": "h"}, metadata_group={}, times=None, cache_hit=hit)
+        remove()
+        assert [(e["kernel"], e["hit"], e["hash"], e["fn_key"]) for e in log] == [
+            ("gemv_kernel", True, "h", "k1"), ("gemv_kernel", False, "h", "k1")]
+        assert "*bf16" in log[0]["spec"] and "divisibility" in log[0]["spec"]
+        assert seen == [True, False]  # the listener before it still heard both
+    finally:
+        knobs.compilation.listener = None
+
+
+def test_cache_misses_explained_tells_new_variants_from_unstable_keys():
+    from ember.bench import _timing
+    cold = [{"kernel": "a", "hit": False, "hash": "1", "fn_key": "fa", "spec": "s1"},
+            {"kernel": "b", "hit": False, "hash": "2", "fn_key": "fb", "spec": "s2"}]
+    warm = [{"kernel": "a", "hit": True, "hash": "1", "fn_key": "fa", "spec": "s1"},   # loaded
+            {"kernel": "b", "hit": False, "hash": "9", "fn_key": "fb*", "spec": "s2"},  # same spec, other key
+            {"kernel": "c", "hit": False, "hash": "3", "fn_key": "fc", "spec": "s3"}]   # never built cold
+    r = _timing.cache_misses_explained(cold, warm)
+    assert r["misses"] == 2 and r["new_variants"] == ["c"]
+    assert r["same_spec_other_key"] == [{"kernel": "b", "source_key_differs": True, "spec": "s2"}]

@@ -6,12 +6,13 @@ from ember.bench import _timeline
 
 
 def test_increments_take_the_last_replay_and_count_overlap_once():
-    # two replays 100 us apart; in each, b overlaps a (dependent launch) and c lies inside b
+    # two replays, closer together than any kernel; in each, b overlaps a (dependent launch) and c
+    # lies inside b
     one = [("a", 0.0, 2.0), ("b", 1.0, 4.0), ("c", 2.5, 3.5), ("a", 4.0, 5.0)]
-    spans = one + [(n, s + 100.0, e + 100.0) for n, s, e in one]
-    ks = _timeline.increments(spans)
+    spans = one + [(n, s + 5.5, e + 5.5) for n, s, e in one]
+    ks = _timeline.increments(spans, replays=2)
     assert [k["name"] for k in ks] == ["a", "b", "c", "a"]
-    assert [k["start"] for k in ks] == [100.0, 101.0, 102.5, 104.0]
+    assert [k["start"] for k in ks] == [5.5, 6.5, 8.0, 9.5]
     assert [k["incr_us"] for k in ks] == [2.0, 2.0, 0.0, 1.0]  # c adds nothing: it ends inside b
     assert [k["dur_us"] for k in ks] == [2.0, 3.0, 1.0, 1.0]
     s = _timeline.summarise(ks)
@@ -21,9 +22,9 @@ def test_increments_take_the_last_replay_and_count_overlap_once():
     assert s["kernels"] == 4 and s["first_layer_sequence"][1] == ("b", 3.0, 2.0)
 
 
-def test_a_gap_within_a_replay_shorter_than_the_threshold_keeps_it_whole():
-    spans = [("a", 0.0, 1.0), ("b", 1.0 + _timeline.REPLAY_GAP_US - 1, 30.0)]
-    assert len(_timeline.increments(spans)) == 2
+def test_a_kernel_count_that_is_not_whole_replays_is_refused():
+    with pytest.raises(ValueError, match="3 kernels over 2 replays"):
+        _timeline.increments([("a", 0.0, 1.0), ("b", 1.0, 2.0), ("a", 3.0, 4.0)], replays=2)
 
 
 def test_row_timeline_reports_a_failure_instead_of_raising():

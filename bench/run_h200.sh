@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 has to run, for one device call per group (each call is limited to 10 minutes):
-#   bash bench/run_h200.sh tests                     # every GPU test, in parallel processes (~2 min; GPU_WORKERS=4 on an 80 GB H100, where 14 run out of memory)
+#   bash bench/run_h200.sh tests                     # every GPU test, in parallel processes (~2 min; GPU_WORKERS=5 on an 80 GB H100, where 14 run out of memory: ~7 min)
 #   bash bench/run_h200.sh norm sampling fp8 linear  # fast suites (~3 min)
 #   bash bench/run_h200.sh moe_ops moe               # MoE suites (~5 min)
 #   bash bench/run_h200.sh moe_hybrid                # LFM2 / Qwen3.5 (HF baselines are slow)
@@ -31,7 +31,7 @@ python -m ember doctor > "$OUT/doctor.txt"
 for what in "$@"; do
   if [ "$what" = tests ]; then
     # SIGINT, not TERM, at the limit: pytest still prints which tests failed
-    timeout -s INT 400 python -m pytest -m gpu -n "${GPU_WORKERS:-14}" -q -rfE --tb=line -p no:cacheprovider tests/ > "$OUT/gpu_tests.txt" 2>&1
+    timeout -s INT 540 python -m pytest -m gpu -n "${GPU_WORKERS:-14}" -q -rfE --tb=line -p no:cacheprovider tests/ > "$OUT/gpu_tests.txt" 2>&1
     grep -E "^FAILED|passed|failed" "$OUT/gpu_tests.txt" | tail -30
   else
     # the whole log in $OUT: a suite stopped at its limit still shows how far it got

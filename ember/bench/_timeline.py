@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 
+
 def step_kernels(graph, replays: int = 5) -> list[dict]:
     """The kernels of the last of ``replays`` profiled replays of ``graph`` (a captured CUDA graph),
     in start order: name, start (us), own duration and what each adds to the chain (``incr_us``)."""

@@ -365,12 +365,13 @@ def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
     caches = [(k[:1], v[:1]) for k, v in em_long.caches]
     prompt = long_ids[0].tolist()
     with torch.no_grad():
-        # the engine's prefill: the first prompt of a length bucket runs eagerly, the second captures
+        # the engine's prefill as a request runs it (the scheduler's chunks, eager): a first call
+        # compiles, the second is timed alone, then the median of three
         em_long.prefill_last(0, prompt)
         t0 = time.perf_counter()
         em_long.prefill_last(0, prompt)
         sync()
-        first_call_s = time.perf_counter() - t0
+        second_call_s = time.perf_counter() - t0
         t_em = time_s(lambda: em_long.prefill_last(0, prompt))
         t_eager = time_s(lambda: em_long.net.prefill(long_ids, caches, last_only=True))
         t_hf = time_s(lambda: hf(long_ids, logits_to_keep=1))
@@ -378,7 +379,7 @@ def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
     return Row(f"qwen3_moe_30b_a3b_bf16_prefill{T}", "tok/s", T / t_em, T / t_hf, "HF transformers forward (default)",
                target=">= 2x HF", meets=t_hf / t_em >= 2.0,
                extra={"ember_s": t_em, "hf_s": t_hf, "ember_eager_s": t_eager,
-                      "ember_second_call_incl_capture_s": first_call_s})
+                      "ember_second_call_s": second_call_s})
 
 
 def _fp8_row(ctx, hf, cfg, em, ids, new, prompt_len, hf_best, hf_default):

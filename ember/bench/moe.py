@@ -365,8 +365,9 @@ def _prefill_row(ctx, hf, cfg, em, gen, quick, prompt_len, new, T, hf_best):
     caches = [(k[:1], v[:1]) for k, v in em_long.caches]
     prompt = long_ids[0].tolist()
     with torch.no_grad():
-        # the engine's prefill as a request runs it (the scheduler's chunks, eager): a first call
-        # compiles, the second is timed alone, then the median of three
+        # the engine's prefill as a request runs it (the scheduler's chunks; all eager here: this model
+        # was not warmed up, so no first-chunk graph): a first call compiles, the second is timed
+        # alone, then the median of three
         em_long.prefill_last(0, prompt)
         t0 = time.perf_counter()
         em_long.prefill_last(0, prompt)

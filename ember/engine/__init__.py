@@ -541,8 +541,9 @@ class Model:
                            f"model.warmup({batch_size}) or a generate first (captured: {have})") from None
 
     def prefill_last(self, row: int, prompt: list[int]) -> torch.Tensor:
-        """Prefill ``prompt`` into cache row ``row`` exactly as the scheduler does (eager chunks of the
-        scheduler's chunk lengths); logits [1, V] at its last position. A documented internal API for
+        """Prefill ``prompt`` into cache row ``row`` exactly as the scheduler does (chunks of the
+        scheduler's chunk length, the first from a graph where warm-up captured one); logits [1, V] at
+        its last position. A documented internal API for
         benchmarks (run it while no request is in flight)."""
         return self.scheduler.prefill_last(row, prompt)
 

@@ -413,7 +413,8 @@ class Scheduler:
         return self.run_in_loop(self._warmup)
 
     def prefill_last(self, row: int, prompt: list[int]) -> torch.Tensor:
-        """Prefill ``prompt`` into cache row ``row`` as a request's prefill runs (its chunks, eager);
+        """Prefill ``prompt`` into cache row ``row`` as a request's prefill runs (its chunks; the first
+        replays a graph where warm-up captured one for its padded length);
         logits [1, V] at the last position. For benchmarks, while no request is in flight."""
         if not 0 <= row < self.slots:
             raise ValueError(f"row: expected a cache row in [0, {self.slots}), got {row}")

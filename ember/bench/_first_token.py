@@ -82,6 +82,8 @@ def cold_and_warm(quick: bool, device: torch.device, prompt_len: int, max_seq_le
             if r.returncode != 0:
                 return {"error": f"{name} run failed: {r.stderr[-1500:]}"}
             out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+            # a failed compile-ahead only warns: keep what the run warned about
+            out[name]["warnings"] = [line[:300] for line in r.stderr.splitlines() if "Warning" in line][:10]
     # the warm run should load every variant the cold one built: say what it compiled again and why
     out["warm"]["recompiled"] = _timing.cache_misses_explained(out["cold"].pop("cache_log"),
                                                                out["warm"].pop("cache_log"))

@@ -93,4 +93,5 @@ def test_first_token_runs_cold_then_warm_in_fresh_processes():
         assert run["first_token_s"] > 0 and run["tokens"] == 1
         assert run["compiles"] == 0 and run["capture_s"] == 0.0 and run["warmup_s"] == 0.0
         assert run["cache_hits"] == run["cache_misses"] == 0 and "cache_log" not in run
+        assert isinstance(run["warnings"], list)
     assert r["warm"]["recompiled"] == {"misses": 0, "new_variants": [], "same_spec_other_key": []}

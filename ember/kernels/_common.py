@@ -8,6 +8,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember import _dispatch
 
 # Arrival counters, per (purpose, device, stream): zero between launches (the program that arrives
@@ -235,3 +236,6 @@ def bulk_prefetch_l2(addr, size):
         setp.ne.u32 p, $2, 0;
         @p cp.async.bulk.prefetch.L2.global [$1], $2;
         mov.u32 $0, 0; }""", "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember import tuning
 from ember.kernels._common import arrival_counters, pdl_options, pdl_start, round_to
 
@@ -396,3 +397,6 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, out) -> None:
     if not fused:
         _decode_attention_combine_kernel[(B, NH)](part, lse, out, NH=NH, D=D, NSPLIT=nsplit, num_warps=1,
                                                   **pdl)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

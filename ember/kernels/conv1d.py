@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import pdl_options, pdl_start, round_to
 
 
@@ -102,3 +103,6 @@ def causal_conv1d(x, weight, bias, state, y, silu: bool, gate_in=None, gate_out=
     _causal_conv1d_kernel[(B, grid_c, n_t)](*args, WRITE_Y=True, WRITE_STATE=False, **common)
     if state is not None:  # separate launch: other T-blocks still read the old state above
         _causal_conv1d_kernel[(B, grid_c, 1)](*args, WRITE_Y=False, WRITE_STATE=True, **common)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

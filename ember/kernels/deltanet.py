@@ -14,6 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import pdl_options, pdl_start, round_to, sigmoid_f32, softplus_f32
 
 
@@ -87,3 +88,6 @@ def gated_delta_rule(q, k, v, g, beta, state, out, *, scale: float, l2norm: bool
         DK=DK, DV=DV, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, L2NORM=l2norm, HAS_STATE=has_state,
         RAW_G=dt_bias is not None, RAW_BETA=raw_beta, LIBDEVICE=q.device.type == "cuda", num_warps=4,
         **pdl_options(q.device))
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember import _switches, tuning
 from ember.kernels import gemv
 from ember.kernels._common import dot_acc, pdl_options, pdl_start, round_to
@@ -592,3 +593,6 @@ def _launch_gemv(a, b, scale_a, kind_a, scale_b, kind_b, bias, out, k_blocked, c
                        scale_a=scale_a if kind_a is not None else None, stride_sak=s_ak,
                        scale_b=scale_b, stride_sbk=s_bk, stride_sbn=s_bn, sb_n_group=group,
                        k_blocked=k_blocked)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember import tuning
 from ember.kernels._common import pdl_options, pdl_start, round_to
 
@@ -293,3 +294,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         out = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
     cfg = config or tile(N, K, weight.dtype, weight.device)
     return launch(x, x.stride(-1), weight, weight.stride(0), N, K, out, 1, bias, cfg)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember import tuning
 from ember.kernels._common import round_to
 from ember.kernels.moe.align import align
@@ -255,3 +256,6 @@ def backward(grad_out, x, w_gate_up, w_down, topk_weights, topk_ids, gu):
     dw_d = torch.empty(w_down.shape, dtype=w_down.dtype, device=dev)
     _wgrad(plan, cfg["wgrad"], grad_out, True, hw, False, dw_d, top_k)
     return dx, dw_gu, dw_d, dtw_parts.sum(0).view(T, top_k)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

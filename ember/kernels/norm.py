@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import pdl_options, pdl_start, round_to, silu_f32
 
 
@@ -135,3 +136,6 @@ def rmsnorm_gated(x3: torch.Tensor, z3: torch.Tensor, weight: torch.Tensor, eps:
         x3, z3, weight, out3, G, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
         out3.stride(0), out3.stride(1), H, eps, BLOCK=block, LIBDEVICE=x3.device.type == "cuda",
         num_warps=num_warps, **pdl_options(x3.device))
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

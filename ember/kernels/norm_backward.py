@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import round_to
 
 
@@ -72,3 +73,6 @@ def rmsnorm_backward(g2: torch.Tensor, gres2: torch.Tensor | None, s2: torch.Ten
         gres2.stride(0) if has_gres else 0, s2.stride(0), gs2.stride(0), eps, per,
         HAS_GRES=has_gres, BLOCK=block, num_warps=num_warps)
     return part.sum(dim=0)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

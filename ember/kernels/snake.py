@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember import tuning
 from ember.kernels._common import exp_f32, round_to
 
@@ -140,3 +141,6 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor | None, out: 
                         LIBDEVICE=x.device.type == "cuda",
                         FAST_SIN=x.device.type == "cuda" and out.dtype in (torch.bfloat16, torch.float16), BLOCK_C=bc, BLOCK_T=bt, IDX64=idx64,
                         num_warps=int(entry.get("num_warps", 4)))
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import exp_f32, round_to, silu_f32
 
 
@@ -62,3 +63,6 @@ def swiglu_backward(grad2: torch.Tensor, gu2: torch.Tensor, dgu2: torch.Tensor) 
     grid, bm, bi = _grid(M, I)
     _swiglu_backward_kernel[grid](grad2, gu2, dgu2, M, I, grad2.stride(0), gu2.stride(0), dgu2.stride(0),
                                   LIBDEVICE=gu2.device.type == "cuda", BLOCK_M=bm, BLOCK_I=bi, num_warps=4)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import round_to
 
 
@@ -49,3 +50,6 @@ def dup_up_add_(x: torch.Tensor, src: torch.Tensor, factor_t: int, factor_s: int
     _dup_up_add_kernel[(triton.cdiv(P, block_p), triton.cdiv(OC, block_c))](
         x, src, P, OC, T2, H2, W2, *src.stride(), FT=factor_t, FS=factor_s, REP=repeats, DROP=drop_frames,
         BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

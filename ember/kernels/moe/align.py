@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
+
 
 @triton.jit
 def _align_ids(ids_ptr, c, P, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -145,3 +147,6 @@ def sort_key_dtype(E: int) -> torch.dtype:
     takes one pass per key byte (int64 ids: 8 passes, ~47 us a layer at 2048 Qwen3-30B-A3B tokens; one
     byte: ~8 us)."""
     return torch.uint8 if E <= 256 else torch.int16 if E <= 1 << 15 else torch.int32
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

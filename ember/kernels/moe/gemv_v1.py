@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import pdl_options, pdl_start
 from ember.kernels.moe import config
 from ember.kernels.moe.shared import (block_scale_rows, fold_inputs, fold_pointers, row_scale, split_buffers,
@@ -175,3 +176,6 @@ def experts_gemv(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=None):
         part, cnt, H=H, I=I, TOP_K=top_k, SCALE=mode, BLOCK_N=bn, BLOCK_K=bk, UNROLL=cfg["UNROLL"],
         FOLD=fold is not None, SPLIT=split, num_warps=cfg["num_warps"], **pdl_options(x.device))
     return out
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

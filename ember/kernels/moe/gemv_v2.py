@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import pdl_options, pdl_start
 from ember.kernels.moe import config
 from ember.kernels.moe.shared import (fold_inputs, fold_pointers, row_scale, split_buffers, store_silu_mul,
@@ -238,3 +239,6 @@ def experts_gemv_v2(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out, fold=None
         BPS=cfg["BPS"], SPLIT=split, num_warps=cfg["num_warps"], num_stages=1, FOLD=fold is not None,
         JPG_P2=triton.next_power_of_2(top_k // split), **pdl_options(x.device))
     return out
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

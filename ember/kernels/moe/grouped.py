@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import pdl_options, pdl_start, round_to
 from ember.kernels.moe import config
 from ember.kernels.moe.align import align
@@ -229,3 +230,6 @@ def experts_grouped(x, w_gate_up, w_down, gs, ds, ids, tw, top_k, out=None, fold
                                                       BLOCK=block, FOLD=fold is not None, DEDUP=decode,
                                                       BLOCK_KK=triton.next_power_of_2(top_k), num_warps=4, **pdl)
     return out
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

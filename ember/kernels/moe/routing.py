@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import (arrival_counters, pdl_options, pdl_start, residual_inv_rms_after, residual_sum,
                                    round_to)
 from ember.kernels.moe import config
@@ -242,3 +243,6 @@ def route_hidden(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize:
         BLOCK_E=triton.next_power_of_2(E), BLOCK_KK=triton.next_power_of_2(n_out), ADD_NORM=add_norm is not None,
         num_warps=warps, **pdl_options(x.device))
     return w, ids
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

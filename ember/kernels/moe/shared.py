@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import arrival_counters, round_to
 from ember.kernels.moe import config
 
@@ -103,3 +104,6 @@ def split_buffers(cfg: dict, T: int, H: int, n_blocks: int, top_k: int, w_down: 
 def fold_pointers(fold, out):
     """The FOLD epilogue's (residual, norm weight, scaled out), or unused stand-ins without it."""
     return fold if fold is not None else (out, out, out)
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

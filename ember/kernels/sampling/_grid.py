@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import pdl_options, pdl_start
 from ember.ops.sampling import SEED_STEP as _SEED_STEP
 
@@ -403,3 +404,6 @@ def _one_launch_enabled(x2: torch.Tensor) -> bool:
 
 def _device_sms(x2: torch.Tensor) -> int:
     return _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device())
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels.sampling._grid import INT64_MIN, _ordered_key, _pack, _race_key, _row_param, _token
 
 
@@ -218,3 +219,5 @@ def _select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, Z, L, n, cand_z_
         tok = _fallback_select_and_race(x_ptr, stride_x, V, row, t, k, p, minp, M, seed, off, FALLBACK_BLOCK)
     return tok
 
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import pdl_options, pdl_start
 from ember.kernels.sampling._grid import (ROW_BLOCK_MAX, _argmax_key, _first_max, _slot_then_best_token,
                                           _split_warps, _warps, _workspace)
@@ -67,3 +68,5 @@ def argmax(x2: torch.Tensor, out: torch.Tensor) -> None:
     _argmax_split_kernel[(B, P)](x2, out, x2.stride(0), V, P, part, count, CHUNK=chunk, PB=PB,
                                  num_warps=_split_warps(chunk), **pdl_options(x2.device))
 
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import await_tagged, generation_tag, pdl_start, tagged, untagged
 from ember.kernels.sampling._grid import (BARRIER_GEN, GRID_MAXIMA_WORDS, GRID_SLOT_WORDS, INT64_MIN, _arrival,
                                           _barrier_wait, _chunk_max_sum, _combine_stats, _ld_acquire,
@@ -546,3 +547,5 @@ def _sample_rows(g, c, x_ptr, stride_x, B, G, V, P, n_programs, m_ptr, s_ptr, a_
                     P_PER_ROW, MP_PER_ROW, SEED_MODE, OFFSET_TENSOR, CHUNK, PB, SUB, QB, CAP, KC, FALLBACK_BLOCK,
                     SMALL_SORT, RESERVE_SEM, NB, ROUNDS, False, LD_POLL)
 
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels._cache_keys import settle_cache_keys
 from ember.kernels._common import pdl_options, pdl_start
 from ember.kernels.sampling._grid import (CAP, FALLBACK_BLOCK, INT64_MIN, NUCLEUS_PIVOTS, NUCLEUS_ROUNDS,
                                           RESERVE_SEM, ROW_BLOCK_MAX, SPIN_CAP, TOPP_CANDIDATE_CHUNKS,
@@ -200,3 +201,6 @@ def sample_one_launch(x2: torch.Tensor, out: torch.Tensor, temperature, top_k, t
         # H200 [1, 128256] k50 + p0.9, offset tensor, same run: 6.92 us (every program acquires the
         # offset) -> 6.79 (the finisher's) -> 6.54 (and the packed race); sample_tagged_probe_offset.json
         OFF_BY_FINISHER=tagged and B == 1, num_warps=sample_warps(dev, base, sub, topk_on), **pdl_options(dev))
+
+
+settle_cache_keys(globals())  # callees first: one cache key in every process (see _cache_keys)

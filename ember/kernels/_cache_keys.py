@@ -1,13 +1,15 @@
 """Triton cache keys that do not depend on which kernel a process launched first.
 
 A kernel's on-disk cache key includes its source key (``JITFunction.cache_key``), which folds in the
-constexpr globals of every ``@triton.jit`` function it calls. Triton 3.6 (the version torch 2.11's
-CUDA wheels bring) merges a callee's globals *before* it computes the callee's own key, so a caller
+constexpr globals of every ``@triton.jit`` function it calls. Triton 3.6 (beside torch 2.11 on
+our H100 / H200 hosts) merges a callee's globals *before* it computes the callee's own key, so a caller
 hashed before its callees misses their globals: the same kernel gets another key in a process that
 launched its kernels in another order. ``Model.warmup`` compiles from a pool of threads, so the order
 changed from process to process, and a warm-up over a warm cache compiled the one-launch sampler again
 (H100, Qwen3-30B-A3B: 25.0 s to the first token with a warm cache, 38 s of sampler compiles summed
-over threads). Triton 3.9 computes the callee's key first; this module does the same for older ones.
+over threads; with the keys settled 4.0 s, every variant loaded). Triton 3.9 computes the callee's
+key first (triton-lang/triton#10494 made these keys independent of the hashing order); this module
+does the same for older versions.
 
 Every kernel module ends with ``settle_cache_keys(globals())``: at import, each of its ``@triton.jit``
 functions gets its key with every callee's key computed first (callees first, depth first), the key
